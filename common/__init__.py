@@ -1,0 +1,1 @@
+"""The contract between compile/ and runtime/: manifest schema, model config and typed errors (stdlib only)."""

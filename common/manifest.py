@@ -1,0 +1,219 @@
+"""The artifact manifest: the only contract between compile/ and runtime/ (typed, versioned, exact JSON)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import serde
+from .errors import ArtifactError
+from .model_config import ModelConfig
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+
+# Step kinds: prompt-as-decode (small T, one block-table row per token, dense MoE)
+# and prefill-chunk (large T, one sequence's chunk, capacity-grouped MoE).
+DECODE = "decode"
+PREFILL = "prefill"
+
+# Regions: a graph is one region at one bucket, reused for every layer with that layer's weights.
+EMBED = "embed"
+DENSE_LAYER = "dense_layer"
+MOE_LAYER = "moe_layer"
+MOE_DENSE = "moe_dense"      # the MoE half alone, dense path: the rerun after a capacity overflow
+HEAD = "head"
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    backend: str                       # cpu | eager | cuda | neuron
+    dtype: str                         # float32 | bfloat16
+    cp: int
+    ep: int
+    decode_buckets: tuple[int, ...]    # token counts of prompt-as-decode graphs
+    prefill_buckets: tuple[int, ...]   # token counts of prefill-chunk graphs
+    context_buckets: tuple[int, ...]   # attention context lengths (multiples of block_size), last = limit
+    context_limit: int
+    block_size: int
+    num_kv_blocks: int                 # the whole pool, all CP ranks together
+    moe_capacity: tuple[int, ...]      # per prefill bucket: tokens one expert takes at most
+    capacity_factor: float | None
+    moe_decode_path: str = "dense"     # dense | gather
+    neuron_target: str | None = None
+
+    @property
+    def world(self) -> int:
+        return max(self.cp, self.ep)
+
+    @property
+    def kv_blocks_per_rank(self) -> int:
+        return self.num_kv_blocks // self.cp
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.context_limit // self.block_size
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    rank: int
+    cp_rank: int
+    ep_rank: int
+    experts: tuple[int, int]           # [first, last) global routed-expert ids held by this rank
+    shared_slice: tuple[int, int]      # [first, last) of the shared experts' intermediate dimension
+    kv_blocks: int                     # local pool size (blocks), trash block not counted
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    cp: int
+    ep: int
+    kv_ownership: str                  # the rule that maps a global KV block to (rank, local block)
+    ranks: tuple[RankLayout, ...]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class WeightArg:
+    key: str                           # the name the graph takes it by
+    source: str                        # the shard tensor name; '{layer}' is filled in per layer
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    name: str                          # e.g. "moe_layer.prefill.t128.c512"
+    region: str
+    kind: str                          # decode | prefill
+    tokens: int
+    context: int                       # attention context (0 for regions without attention)
+    file: str                          # relative to the artifact root
+    ir_sha256: str                     # hash of the canonical exported program (machine independent)
+    graph_hash: str                    # ir_sha256 combined with backend, dtype and toolchain
+    file_sha256: str                   # hash of the compiled file as written (machine specific)
+    inputs: tuple[TensorSpec, ...]     # step inputs, in call order
+    weights: tuple[WeightArg, ...]     # weight tensors the graph takes, in call order
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    rank: int
+    path: str
+    sha256: str
+    bytes: int
+    num_tensors: int
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    torch: str
+    python: str
+    backend: str
+    target: str                        # CPU ISA / GPU arch / Neuron target
+    compiler: str                      # AOTInductor / inductor / neuronx-cc version
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    weights_bytes: int
+    kv_pool_bytes: int
+    activations_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.weights_bytes + self.kv_pool_bytes + self.activations_bytes
+
+
+@dataclass(frozen=True)
+class Manifest:
+    schema_version: int
+    name: str
+    model: ModelConfig
+    compile: CompileConfig
+    layout: Layout
+    graphs: tuple[GraphEntry, ...]
+    weights: tuple[WeightShard, ...]
+    tokenizer: tuple[FileEntry, ...]
+    toolchain: Toolchain
+    memory: tuple[RankMemory, ...]
+    root_hash: str = ""
+
+    def graph(self, region: str, kind: str, tokens: int, context: int = 0) -> GraphEntry:
+        for g in self.graphs:
+            if (g.region, g.kind, g.tokens, g.context) == (region, kind, tokens, context):
+                return g
+        raise ArtifactError(f"manifest has no graph for region={region} kind={kind} tokens={tokens} context={context}")
+
+    def compute_root_hash(self) -> str:
+        """One hash over everything that defines the artifact: graphs, weights, tokenizer, config."""
+        h = hashlib.sha256()
+        h.update(serde.dumps(self.model).encode())
+        h.update(serde.dumps(self.compile).encode())
+        h.update(serde.dumps(self.layout).encode())
+        for g in sorted(self.graphs, key=lambda g: g.name):
+            h.update(f"{g.name}:{g.graph_hash}\n".encode())
+        for w in sorted(self.weights, key=lambda w: w.rank):
+            h.update(f"weights{w.rank}:{w.sha256}\n".encode())
+        for t in sorted(self.tokenizer, key=lambda t: t.path):
+            h.update(f"{t.path}:{t.sha256}\n".encode())
+        return h.hexdigest()
+
+    def dumps(self) -> str:
+        return serde.dumps(self)
+
+    @classmethod
+    def loads(cls, text: str, where: str = MANIFEST_FILE) -> "Manifest":
+        import json
+        try:
+            version = json.loads(text).get("schema_version")
+        except (ValueError, AttributeError):
+            raise ArtifactError(f"{where}: not a JSON object") from None
+        if version != SCHEMA_VERSION:
+            raise ArtifactError(f"{where}: schema_version={version!r}, this deepinfer reads {SCHEMA_VERSION}; "
+                                f"recompile the artifact")
+        return serde.loads(cls, text, where)
+
+    @classmethod
+    def read(cls, artifact_dir: str | Path) -> "Manifest":
+        path = Path(artifact_dir) / MANIFEST_FILE
+        if not path.is_file():
+            raise ArtifactError(f"{path}: no manifest (not a complete deepinfer artifact; "
+                                f"was the compile interrupted?)")
+        return cls.loads(path.read_text(), str(path))
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def graph_name(region: str, kind: str, tokens: int, context: int = 0) -> str:
+    """The one naming rule for graphs; compile writes it, the runtime looks graphs up by it."""
+    if region in (EMBED, MOE_DENSE):
+        return f"{region}.t{tokens}"
+    if region == HEAD:
+        return f"{region}.{kind}.t{tokens}"
+    return f"{region}.{kind}.t{tokens}.c{context}"

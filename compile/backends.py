@@ -1,0 +1,104 @@
+"""Turn one exported graph into the backend's compiled file, through a content-addressed cache."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..common.errors import BackendUnavailable
+from ..common.manifest import Toolchain
+from ..common.toolchain import cpu_isa
+
+# What each backend writes next to the canonical exported program (graphs/<name>.ep.pt2).
+SUFFIX = {"cpu": ".aoti.pt2", "eager": None, "cuda": None, "neuron": ".neff.pt"}
+
+
+def toolchain(backend: str, neuron_target: str | None = None) -> Toolchain:
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if backend == "cpu":
+        return Toolchain(torch=torch.__version__, python=py, backend=backend, target=cpu_isa(),
+                         compiler=f"aotinductor-{torch.__version__}")
+    if backend == "cuda":
+        return Toolchain(torch=torch.__version__, python=py, backend=backend, target="cuda (compiled at load)",
+                         compiler=f"inductor-{torch.__version__}")
+    if backend == "neuron":
+        return Toolchain(torch=torch.__version__, python=py, backend=backend, target=neuron_target or "",
+                         compiler=_neuronx_cc_version())
+    return Toolchain(torch=torch.__version__, python=py, backend=backend, target="any", compiler="none")
+
+
+def _neuronx_cc_version() -> str:
+    try:
+        import neuronxcc  # type: ignore[import-not-found]
+        return f"neuronx-cc-{getattr(neuronxcc, '__version__', 'unknown')}"
+    except Exception:
+        return "neuronx-cc (not installed on the compiling host)"
+
+
+def graph_hash(ir_sha256: str, tc: Toolchain, dtype: str) -> str:
+    """The artifact identity of a graph: its canonical IR plus what the backend compiles it with."""
+    key = f"{ir_sha256}|{tc.backend}|{tc.torch}|{tc.target}|{tc.compiler}|{dtype}"
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class CompileCache:
+    root: Path
+    hits: int = 0
+    misses: int = 0
+
+    def path(self, ghash: str, suffix: str) -> Path:
+        return self.root / ghash[:2] / (ghash + suffix)
+
+    def get(self, ghash: str, suffix: str) -> Path | None:
+        p = self.path(ghash, suffix)
+        return p if p.is_file() else None
+
+    def put(self, ghash: str, suffix: str, src: Path) -> Path:
+        dst = self.path(ghash, suffix)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+        return dst
+
+
+def build(backend: str, ep: torch.export.ExportedProgram, ghash: str, dest: Path, cache: CompileCache | None) -> bool:
+    """Write the backend's compiled form of `ep` to `dest`. Returns True on a cache hit."""
+    suffix = SUFFIX[backend]
+    assert suffix is not None
+    if cache is not None:
+        hit = cache.get(ghash, suffix)
+        if hit is not None:
+            shutil.copyfile(hit, dest)
+            cache.hits += 1
+            return True
+    if backend == "cpu":
+        _aoti_compile(ep, dest)
+    else:
+        raise BackendUnavailable(f"backend {backend!r} has no compiled-file step here")
+    if cache is not None:
+        cache.misses += 1
+        cache.put(ghash, suffix, dest)
+    return False
+
+
+def _aoti_compile(ep: torch.export.ExportedProgram, dest: Path) -> None:
+    # A fixed, empty inductor cache per graph keeps the generated code free of leftovers from other graphs.
+    with tempfile.TemporaryDirectory(prefix="deepinfer-aoti-") as tmp:
+        old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+        try:
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(dest))
+        finally:
+            if old is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old

@@ -1,0 +1,237 @@
+"""deepinfer-compile as a function: checkpoint + options -> a verified, atomically installed artifact."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..common import serde
+from ..common.errors import DeepinferError, OptionError
+from ..common.manifest import (DECODE, MANIFEST_FILE, SCHEMA_VERSION, FileEntry, GraphEntry, Manifest, RankMemory,
+                               WeightShard, sha256_file)
+from ..common.model_config import ModelConfig
+from . import backends
+from .checkpoint import Checkpoint
+from .graphs import GraphPlan, export_graph, plan_graphs, sha256_bytes
+from .options import CompileOptions, default_cache_dir, make_layout, resolve
+from .weights import DTYPES, check_checkpoint, shard_bytes, shard_specs, write_shard
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class CompileReport:
+    manifest: Manifest
+    seconds: float
+    cache_hits: int
+    cache_misses: int
+    failed: list[str] = field(default_factory=list)
+
+
+def load_model(o: CompileOptions) -> tuple[ModelConfig, Checkpoint | None]:
+    if o.shape_only:
+        path = o.model / "config.json" if o.model.is_dir() else o.model
+        return ModelConfig.from_file(path), None
+    ck = Checkpoint(o.model)
+    check_checkpoint(ck.config, ck)
+    return ck.config, ck
+
+
+def compile_artifact(o: CompileOptions, log: Log = print) -> CompileReport:
+    t0 = time.perf_counter()
+    m, ck = load_model(o)
+    cc = resolve(o, m)
+    layout = make_layout(m, cc)
+    tc = backends.toolchain(cc.backend, cc.neuron_target)
+    plans = plan_graphs(m, cc)
+
+    log(_describe(o, m, cc, len(plans)))
+    if ck is not None:
+        for note in ck.notes:
+            log(f"note: {note}")
+
+    memory = memory_plan(m, cc, layout, plans)
+    for r in memory:
+        log(f"memory rank {r.rank}: weights {_gib(r.weights_bytes)}, kv pool {_gib(r.kv_pool_bytes)}, "
+            f"activations {_gib(r.activations_bytes)}, total {_gib(r.total)}")
+        if o.device_memory is not None and r.total > o.device_memory:
+            raise OptionError(f"rank {r.rank} needs {_gib(r.total)} (weights {_gib(r.weights_bytes)} + kv pool "
+                              f"{_gib(r.kv_pool_bytes)} + activations {_gib(r.activations_bytes)}) but "
+                              f"--device-memory is {_gib(o.device_memory)}")
+
+    out = o.out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        (tmp / "graphs").mkdir()
+        shards = _write_weights(m, cc, layout, ck, tmp, log) if ck is not None else []
+        tok = _copy_tokenizer(ck, tmp)
+        cache = backends.CompileCache(o.cache_dir or default_cache_dir())
+        graphs, failed = _build_graphs(plans, cc, tc, tmp, cache, o.keep_going, log)
+        manifest = Manifest(schema_version=SCHEMA_VERSION, name=o.model.name, model=m, compile=cc, layout=layout,
+                            graphs=tuple(graphs), weights=tuple(shards), tokenizer=tuple(tok), toolchain=tc,
+                            memory=tuple(memory))
+        manifest = _with_root_hash(manifest)
+        if failed:
+            raise DeepinferError(f"{len(failed)} graph(s) failed to compile: {', '.join(failed)}; "
+                                 f"no artifact was installed")
+        (tmp / MANIFEST_FILE).write_text(manifest.dumps())
+        install(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    secs = time.perf_counter() - t0
+    log(f"wrote {out} ({len(graphs)} graphs, root hash {manifest.root_hash[:16]}) in {secs:.1f}s; "
+        f"compile cache {cache.hits} hit(s), {cache.misses} miss(es) at {cache.root}")
+    return CompileReport(manifest, secs, cache.hits, cache.misses, failed)
+
+
+def _with_root_hash(m: Manifest) -> Manifest:
+    import dataclasses
+    return dataclasses.replace(m, root_hash=m.compute_root_hash())
+
+
+def install(tmp: Path, out: Path) -> None:
+    """Make `out` hold the new artifact. The manifest goes first out and last in, so an interrupted
+    install leaves a directory the runtime refuses (no manifest), never a mix it would accept."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST_FILE).unlink(missing_ok=True)
+    for item in sorted(tmp.iterdir()):
+        if item.name == MANIFEST_FILE:
+            continue
+        dst = out / item.name
+        if dst.is_dir() and not dst.is_symlink():
+            shutil.rmtree(dst)
+        elif dst.exists():
+            dst.unlink()
+        os.replace(item, dst)
+    os.replace(tmp / MANIFEST_FILE, out / MANIFEST_FILE)
+
+
+def _write_weights(m, cc, layout, ck, tmp: Path, log: Log) -> list[WeightShard]:
+    (tmp / "weights").mkdir()
+    shards = []
+    for r in layout.ranks:
+        specs = shard_specs(m, cc, r)
+        rel = f"weights/rank{r.rank}.safetensors"
+        t = time.perf_counter()
+        n = write_shard(tmp / rel, specs, ck, metadata={"rank": str(r.rank), "format": "pt"})
+        log(f"[weights {r.rank + 1}/{layout.world}] {rel}: {len(specs)} tensors, {_gib(n)} "
+            f"({time.perf_counter() - t:.1f}s)")
+        shards.append(WeightShard(rank=r.rank, path=rel, sha256=sha256_file(tmp / rel), bytes=n,
+                                  num_tensors=len(specs)))
+    return shards
+
+
+def _copy_tokenizer(ck: Checkpoint | None, tmp: Path) -> list[FileEntry]:
+    if ck is None:
+        return []
+    entries = []
+    (tmp / "tokenizer").mkdir()
+    for f in ck.tokenizer_files:
+        rel = f"tokenizer/{f.name}"
+        shutil.copyfile(f, tmp / rel)
+        entries.append(FileEntry(path=rel, sha256=sha256_file(tmp / rel), bytes=(tmp / rel).stat().st_size))
+    return entries
+
+
+def _build_graphs(plans: list[GraphPlan], cc, tc, tmp: Path, cache, keep_going: bool, log: Log):
+    entries: list[GraphEntry] = []
+    failed: list[str] = []
+    t_all = time.perf_counter()
+    for i, plan in enumerate(plans, 1):
+        t = time.perf_counter()
+        try:
+            ep, ir = export_graph(plan)
+            ir_rel = f"graphs/{plan.name}.ep.pt2"
+            (tmp / ir_rel).write_bytes(ir)
+            ir_sha = sha256_bytes(ir)
+            ghash = backends.graph_hash(ir_sha, tc, cc.dtype)
+            suffix = backends.SUFFIX[cc.backend]
+            if suffix is None:
+                rel, hit = ir_rel, None
+            else:
+                rel = f"graphs/{plan.name}{suffix}"
+                hit = backends.build(cc.backend, ep, ghash, tmp / rel, cache)
+        except DeepinferError:
+            raise
+        except Exception as e:  # a tracing or compiler failure: name the graph
+            failed.append(plan.name)
+            log(f"[graph {i}/{len(plans)}] {plan.name}: FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            if not keep_going:
+                raise DeepinferError(f"graph {plan.name} failed to compile: {type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:300]} (use --keep-going to build the others)") from e
+            continue
+        status = "" if hit is None else (" (cached)" if hit else " (compiled)")
+        log(f"[graph {i}/{len(plans)}] {plan.name}{status} {time.perf_counter() - t:.1f}s, "
+            f"elapsed {time.perf_counter() - t_all:.0f}s")
+        entries.append(GraphEntry(
+            name=plan.name, region=plan.spec.region, kind=plan.spec.kind, tokens=plan.spec.tokens,
+            context=plan.spec.context, file=rel, ir_sha256=ir_sha, graph_hash=ghash,
+            file_sha256=sha256_file(tmp / rel), inputs=plan.inputs, weights=plan.weights, outputs=plan.outputs))
+    return entries, failed
+
+
+# -- memory plan -----------------------------------------------------------------------------------
+def memory_plan(m: ModelConfig, cc, layout, plans: list[GraphPlan]) -> list[RankMemory]:
+    elt = torch.tensor([], dtype=DTYPES[cc.dtype]).element_size()
+    kv = m.num_hidden_layers * (cc.kv_blocks_per_rank + 1) * cc.block_size * m.kv_cache_dim * elt
+    act = max(_activation_bytes(m, p, elt) for p in plans)
+    return [RankMemory(rank=r.rank, weights_bytes=shard_bytes(shard_specs(m, cc, r)), kv_pool_bytes=kv,
+                       activations_bytes=act) for r in layout.ranks]
+
+
+def _activation_bytes(m: ModelConfig, p: GraphPlan, elt: int) -> int:
+    """A generous estimate of one graph's live intermediates (the largest few tensors at once)."""
+    s = p.spec
+    T, D, H = s.tokens, m.hidden_size, m.num_attention_heads
+    if s.region in ("embed", "head"):
+        return T * D * elt + (T if s.kind == DECODE else 1) * m.vocab_size * 4
+    attn = 0
+    if s.context:
+        rows = s.rows
+        attn = rows * s.context * m.kv_cache_dim * elt + 2 * T * H * s.context * 4 + T * H * m.kv_cache_dim * 4
+    E, I = s.local_experts, m.moe_intermediate_size
+    if s.kind == DECODE:
+        experts = (E * T if s.moe_decode_path == "dense" else T * m.num_experts_per_tok * 3 * I) * (3 * I + D) * 4
+    else:
+        experts = E * max(s.capacity, 1) * (3 * I + D) * 4 + E * T * (3 * I + D) * 4  # capacity + dense rerun
+    dense = 3 * T * m.intermediate_size * elt
+    return 6 * T * D * 4 + max(attn, experts, dense)
+
+
+def _gib(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _describe(o: CompileOptions, m: ModelConfig, cc, n_graphs: int) -> str:
+    lines = ["deepinfer-compile, resolved options:",
+             f"  model            {o.model}{' (shape only: config.json, no weights)' if o.shape_only else ''}",
+             f"  out              {o.out}",
+             f"  backend          {cc.backend}{' target ' + cc.neuron_target if cc.neuron_target else ''}",
+             f"  dtype            {cc.dtype}",
+             f"  layout           cp={cc.cp} ep={cc.ep} world={cc.world}",
+             f"  decode buckets   {', '.join(map(str, cc.decode_buckets))}",
+             f"  prefill buckets  {', '.join(map(str, cc.prefill_buckets)) or '(none)'}",
+             f"  moe capacity     {', '.join(map(str, cc.moe_capacity)) or '-'}"
+             f"{f' (factor {cc.capacity_factor})' if cc.capacity_factor else ''}",
+             f"  moe decode path  {cc.moe_decode_path}",
+             f"  context buckets  {', '.join(map(str, cc.context_buckets))} (limit {cc.context_limit})",
+             f"  kv pool          {cc.num_kv_blocks} blocks x {cc.block_size} tokens "
+             f"({cc.kv_blocks_per_rank} per rank)",
+             f"  model            {m.num_hidden_layers} layers ({m.first_k_dense_replace} dense), hidden "
+             f"{m.hidden_size}, {m.n_routed_experts} experts top-{m.num_experts_per_tok}, vocab {m.vocab_size}",
+             f"  graphs           {n_graphs}"]
+    return "\n".join(lines)
+
+
+def dumps_options(o: CompileOptions) -> str:
+    return serde.dumps(o)

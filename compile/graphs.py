@@ -1,0 +1,153 @@
+"""Regions x buckets: which graphs an artifact holds, their example inputs, and their export to canonical IR."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..common.manifest import (DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER, PREFILL, CompileConfig,
+                               TensorSpec, WeightArg, graph_name)
+from ..common.model_config import ModelConfig
+from .model import REGION_FUNCS, SINGLE_RANK, Comm, RegionSpec
+from .weights import DTYPES, region_weight_keys, weight_source
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    name: str
+    spec: RegionSpec
+    inputs: tuple[TensorSpec, ...]
+    weights: tuple[WeightArg, ...]
+    weight_specs: tuple[TensorSpec, ...]
+    outputs: tuple[str, ...]
+
+
+def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
+    """Every graph the runtime can need for this model and these buckets, each exactly once."""
+    specs: dict[str, RegionSpec] = {}
+
+    def add(region: str, kind: str, tokens: int, context: int = 0, capacity: int = 0):
+        name = graph_name(region, kind, tokens, context)
+        specs.setdefault(name, RegionSpec(m, region, kind, tokens, context, cc.block_size, cc.cp, cc.ep,
+                                          capacity, cc.moe_decode_path))
+
+    layers = ([DENSE_LAYER] if m.first_k_dense_replace else []) + ([MOE_LAYER] if m.num_moe_layers else [])
+    for T in cc.decode_buckets:
+        add(EMBED, DECODE, T)
+        for C in cc.context_buckets:
+            for region in layers:
+                add(region, DECODE, T, C)
+        add(HEAD, DECODE, T)
+    for T, cap in zip(cc.prefill_buckets, cc.moe_capacity):
+        add(EMBED, PREFILL, T)
+        for C in cc.context_buckets:
+            if C >= T:
+                for region in layers:
+                    add(region, PREFILL, T, C, cap)
+        if m.num_moe_layers:
+            add(MOE_DENSE, PREFILL, T)
+        add(HEAD, PREFILL, T)
+    return [_plan(name, spec, cc) for name, spec in specs.items()]
+
+
+def _plan(name: str, spec: RegionSpec, cc: CompileConfig) -> GraphPlan:
+    m, T = spec.model, spec.tokens
+    dt = cc.dtype
+    D = m.hidden_size
+    i64 = "int64"
+    if spec.region == EMBED:
+        inputs = [TensorSpec("token_ids", (T,), i64)]
+        outputs = ("hidden",)
+    elif spec.region == HEAD:
+        L = T if spec.kind == DECODE else 1
+        inputs = [TensorSpec("hidden", (T, D), dt), TensorSpec("logit_indices", (L,), i64)]
+        outputs = ("logits",)
+    elif spec.region == MOE_DENSE:
+        inputs = [TensorSpec("h_mid", (T, D), dt)]
+        outputs = ("hidden",)
+    else:
+        B = spec.context // spec.block_size
+        inputs = [TensorSpec("hidden", (T, D), dt), TensorSpec("positions", (T,), i64),
+                  TensorSpec("slot_mapping", (T,), i64), TensorSpec("block_tables", (spec.rows, B), i64),
+                  TensorSpec("kv_cache", (cc.kv_blocks_per_rank + 1, cc.block_size, m.kv_cache_dim), dt)]
+        outputs = ("hidden", "h_mid", "overflow") if spec.region == MOE_LAYER and spec.kind == PREFILL else ("hidden",)
+    keys = region_weight_keys(m, spec.region, cc.cp)
+    shapes = _weight_shapes(m, cc)
+    return GraphPlan(
+        name=name, spec=spec, inputs=tuple(inputs),
+        weights=tuple(WeightArg(k, weight_source(m, k)) for k in keys),
+        weight_specs=tuple(TensorSpec(k, *shapes[k]) for k in keys),
+        outputs=outputs)
+
+
+def _weight_shapes(m: ModelConfig, cc: CompileConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Shapes of a region's weight keys (one rank's view: local experts, shared-expert slice)."""
+    dt = cc.dtype
+    D, H = m.hidden_size, m.num_attention_heads
+    dn, dr, dv, kvr = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+    E, I = m.n_routed_experts // cc.ep, m.moe_intermediate_size
+    Is = m.n_shared_experts * I // cc.ep
+    s = {
+        "embed": ((m.vocab_size, D), dt), "norm": ((D,), dt), "lm_head": ((m.vocab_size, D), dt),
+        "rope.inv_freq": ((dr // 2,), "float32"), "rank.expert_ids": ((E,), "int64"), "rank.cp_rank": ((), "int64"),
+        "input_layernorm": ((D,), dt), "post_attention_layernorm": ((D,), dt),
+        "attn.q_proj": ((H * (dn + dr), D), dt),
+        "attn.kv_a_proj_with_mqa": ((kvr + dr, D), dt), "attn.kv_a_layernorm": ((kvr,), dt),
+        "attn.w_uk": ((H, dn, kvr), dt), "attn.w_uv": ((H, dv, kvr), dt), "attn.o_proj": ((D, H * dv), dt),
+        "mlp.gate_up": ((2 * m.intermediate_size, D), dt), "mlp.down": ((D, m.intermediate_size), dt),
+        "moe.router_weight": ((m.n_routed_experts, D), "float32"), "moe.router_bias": ((m.n_routed_experts,), "float32"),
+        "moe.experts_gate_up": ((E, 2 * I, D), dt), "moe.experts_down": ((E, D, I), dt),
+        "moe.shared_gate_up": ((2 * Is, D), dt), "moe.shared_down": ((D, Is), dt),
+    }
+    if m.q_lora_rank is not None:
+        qr = m.q_lora_rank
+        s |= {"attn.q_a_proj": ((qr, D), dt), "attn.q_a_layernorm": ((qr,), dt),
+              "attn.q_b_proj": ((H * (dn + dr), qr), dt)}
+    return s
+
+
+class RegionModule(torch.nn.Module):
+    """A region as an nn.Module for torch.export: step tensors positionally, weights as one dict."""
+
+    def __init__(self, spec: RegionSpec, comm: Comm = SINGLE_RANK):
+        super().__init__()
+        self.spec = spec
+        self.comm = comm
+        self.fn = REGION_FUNCS[spec.region]
+
+    def forward(self, *args):
+        *step, weights = args
+        if self.spec.region in (EMBED, HEAD):
+            return self.fn(self.spec, *step, weights)
+        return self.fn(self.spec, *step, weights, self.comm)
+
+
+def example_inputs(plan: GraphPlan, device: str = "cpu") -> tuple:
+    """Example tensors for tracing (call under FakeTensorMode for shape-only compiles)."""
+    def make(t: TensorSpec) -> torch.Tensor:
+        dtype = DTYPES[t.dtype]
+        if dtype.is_floating_point:
+            return torch.zeros(t.shape, dtype=dtype, device=device)
+        return torch.zeros(t.shape, dtype=dtype, device=device)
+    step = tuple(make(t) for t in plan.inputs)
+    weights = {w.name: make(w) for w in plan.weight_specs}
+    return (*step, weights)
+
+
+def export_graph(plan: GraphPlan, comm: Comm = SINGLE_RANK) -> tuple[torch.export.ExportedProgram, bytes]:
+    """Trace one region at one bucket with fake tensors. -> (program, canonical serialized bytes)."""
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        args = example_inputs(plan)
+        ep = torch.export.export(RegionModule(plan.spec, comm), args, strict=False)
+    ep._example_inputs = None   # fake example inputs do not serialize portably; the manifest records shapes
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    return ep, buf.getvalue()
+
+
+def sha256_bytes(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()

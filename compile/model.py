@@ -1,0 +1,354 @@
+"""DeepSeek-V3 as traceable, static-shape region functions over explicit weight tensors.
+
+Legend: T tokens in the step, R block-table rows (T in decode steps, 1 in prefill chunks),
+B blocks per row, bs block size, C = B*bs context, H heads, D hidden, E local experts,
+K experts per token, I expert intermediate size, Dc = kv_lora_rank + qk_rope_head_dim.
+
+Weights are inputs, never constants: one graph serves every layer and every rank. No host syncs,
+no branches on data: everything a branch could depend on is static in `RegionSpec`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..common.manifest import DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER, PREFILL
+from ..common.model_config import ModelConfig
+
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """The static facts one compiled graph bakes in."""
+
+    model: ModelConfig
+    region: str
+    kind: str                  # decode | prefill
+    tokens: int                # T
+    context: int               # C (attention regions only)
+    block_size: int
+    cp: int = 1
+    ep: int = 1
+    capacity: int = 0          # prefill MoE: tokens one local expert takes at most
+    moe_decode_path: str = "dense"
+
+    @property
+    def local_experts(self) -> int:
+        return self.model.n_routed_experts // self.ep
+
+    @property
+    def rows(self) -> int:
+        return self.tokens if self.kind == DECODE else 1
+
+    @property
+    def shared_intermediate(self) -> int:
+        return self.model.n_shared_experts * self.model.moe_intermediate_size // self.ep
+
+
+class Comm:
+    """Collectives between ranks inside a graph. The single-rank default does nothing."""
+
+    def cp_all_gather(self, x: torch.Tensor) -> torch.Tensor:      # [..] -> [cp, ..]
+        return x.unsqueeze(0)
+
+    def ep_all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def ep_all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+SINGLE_RANK = Comm()
+
+
+# -- basic ops ---------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [T, dr/2], as transformers computes them (fp32, scaled, then cast)."""
+    freqs = positions[:, None].float() * inv_freq[None, :].float()
+    return (freqs.cos() * attention_factor).to(dtype), (freqs.sin() * attention_factor).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate the last dim of x; cos/sin broadcast to x[..., :dr/2]."""
+    half = x.shape[-1] // 2
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x) with gate and up stacked as one [2I, D] weight."""
+    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(g) * u, down)
+
+
+# -- MLA attention -----------------------------------------------------------------------------
+def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                  block_tables: torch.Tensor, kv_cache: torch.Tensor, w: Weights, comm: Comm) -> torch.Tensor:
+    """Absorbed multi-head latent attention over the paged latent pool; writes this step's KV in place.
+
+    x [T, D] (already normed) -> [T, D]. kv_cache [NB + 1, bs, Dc]; the last block is the trash block
+    that padding tokens and KV this CP rank does not own are written to.
+    """
+    m = spec.model
+    T, H = x.shape[0], m.num_attention_heads
+    dn, dr, kvr = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+    bs = spec.block_size
+
+    if m.q_lora_rank is None:
+        q = F.linear(x, w["attn.q_proj"])
+    else:
+        q = F.linear(rms_norm(F.linear(x, w["attn.q_a_proj"]), w["attn.q_a_layernorm"], 1e-6), w["attn.q_b_proj"])
+    q = q.view(T, H, dn + dr)
+    q_nope, q_pe = q[..., :dn], q[..., dn:]
+
+    kv = F.linear(x, w["attn.kv_a_proj_with_mqa"])                           # [T, kvr + dr]
+    c_kv = rms_norm(kv[:, :kvr], w["attn.kv_a_layernorm"], 1e-6)
+    cos, sin = rope_cos_sin(positions, w["rope.inv_freq"], m.rope_attention_factor, x.dtype)
+    q_pe = apply_rope(q_pe, cos[:, None, :], sin[:, None, :], m.rope_interleave)
+    k_pe = apply_rope(kv[:, kvr:], cos, sin, m.rope_interleave)
+
+    # Write this step's latent KV first, so a token also attends to the tokens before it in this step.
+    trash = kv_cache.shape[0] - 1
+    cp_rank = w["rank.cp_rank"] if spec.cp > 1 else None
+    block = torch.div(slot_mapping, bs, rounding_mode="floor")
+    owned = _owned(block, slot_mapping >= 0, spec.cp, cp_rank)
+    local_slot = torch.where(owned, _local_block(block, spec.cp) * bs + slot_mapping % bs, trash * bs)
+    latent = torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype)              # [T, Dc]
+    kv_cache.view(-1, kv_cache.shape[-1]).index_put_((local_slot,), latent)
+
+    # Gather each row's context once: [R, C, Dc].
+    tbl_owned = _owned(block_tables, block_tables >= 0, spec.cp, cp_rank)    # [R, B]
+    tbl = torch.where(tbl_owned, _local_block(block_tables, spec.cp), trash)
+    ctx = kv_cache[tbl].flatten(1, 2)                                        # [R, C, Dc]
+    key_pos = torch.arange(spec.context, device=x.device)
+    valid = key_pos[None, :] <= positions[:, None]                           # [T, C]
+    if spec.cp > 1:
+        valid = valid & tbl_owned.repeat_interleave(bs, dim=1)              # R broadcasts (1 or T)
+
+    q_lat = torch.einsum("thd,hdc->thc", q_nope, w["attn.w_uk"])             # absorb W_UK into q
+    qc = torch.cat([q_lat, q_pe], dim=-1)                                     # [T, H, Dc]
+    if spec.kind == DECODE:
+        scores = torch.bmm(qc, ctx.transpose(1, 2))                           # [T, H, C]
+    else:
+        scores = (qc.reshape(T * H, -1) @ ctx[0].transpose(0, 1)).view(T, H, -1)
+    scores = scores.float() * m.softmax_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+
+    c_ctx = ctx[..., :kvr]
+    if spec.cp == 1:
+        p = torch.softmax(scores, dim=-1).to(c_ctx.dtype)
+        o_lat = _weighted_values(spec, p, c_ctx).float()                    # [T, H, kvr]
+    else:
+        o_lat = _cp_merge(spec, scores, c_ctx, comm)
+    o = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), w["attn.w_uv"])     # apply W_UV after softmax
+    return F.linear(o.reshape(T, -1), w["attn.o_proj"])
+
+
+def _owned(block: torch.Tensor, real: torch.Tensor, cp: int, cp_rank: torch.Tensor | None) -> torch.Tensor:
+    """KV ownership over CP ranks: global block b lives on CP rank b % cp, at local block b // cp."""
+    if cp == 1:
+        return real
+    return real & (block % cp == cp_rank)
+
+
+def _local_block(block: torch.Tensor, cp: int) -> torch.Tensor:
+    return block if cp == 1 else torch.div(block, cp, rounding_mode="floor")
+
+
+def _weighted_values(spec: RegionSpec, p: torch.Tensor, c_ctx: torch.Tensor) -> torch.Tensor:
+    T, H, C = p.shape
+    if spec.kind == DECODE:
+        return torch.bmm(p, c_ctx)
+    return (p.reshape(T * H, C) @ c_ctx[0]).view(T, H, -1)
+
+
+def _cp_merge(spec: RegionSpec, scores: torch.Tensor, c_ctx: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Partial attention over this rank's KV, then one packed fp32 all-gather and a log-sum-exp merge."""
+    mx = scores.amax(dim=-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    e = torch.exp(scores - mx)                                                # masked keys -> 0
+    denom = e.sum(dim=-1, keepdim=True)
+    o = _weighted_values(spec, e.to(c_ctx.dtype), c_ctx).float() / denom.clamp_min(1e-30)
+    lse = torch.where(denom > 0, mx + torch.log(denom.clamp_min(1e-30)), torch.full_like(mx, float("-inf")))
+    packed = comm.cp_all_gather(torch.cat([o, lse], dim=-1))                 # [cp, T, H, kvr + 1]
+    o_all, lse_all = packed[..., :-1], packed[..., -1:]
+    m_all = lse_all.amax(dim=0, keepdim=True)
+    m_all = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
+    wgt = torch.exp(lse_all - m_all)
+    return (o_all * wgt).sum(0) / wgt.sum(0).clamp_min(1e-30)
+
+
+# -- MoE -----------------------------------------------------------------------------------------
+def route(m: ModelConfig, x: torch.Tensor, w: Weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid scores, correction bias for the choice only, group-limited top-k. -> ids [T, K], weights [T, K] fp32."""
+    T = x.shape[0]
+    scores = F.linear(x.float(), w["moe.router_weight"].float()).sigmoid()   # [T, E_all]
+    choice = scores + w["moe.router_bias"].float()
+    if m.topk_group < m.n_group:
+        per_group = m.n_routed_experts // m.n_group
+        group_scores = choice.view(T, m.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=m.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0)
+        expert_mask = group_mask[:, :, None].expand(T, m.n_group, per_group).reshape(T, -1)
+        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    ids = torch.topk(choice, k=m.num_experts_per_tok, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if m.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * m.routed_scaling_factor
+
+
+def experts_dense(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  w: Weights) -> torch.Tensor:
+    """Every local expert on every token, weighted by the gate (zero for experts not chosen). -> [T, D] fp32."""
+    local_ids = w["rank.expert_ids"]                                         # [E] global ids held here
+    combine = ((ids[:, :, None] == local_ids[None, None, :]) * weights[:, :, None]).sum(1)   # [T, E]
+    gu = torch.einsum("td,efd->etf", x, w["moe.experts_gate_up"])           # [E, T, 2I]
+    g, u = gu.chunk(2, dim=-1)
+    y = torch.einsum("eti,edi->etd", F.silu(g) * u, w["moe.experts_down"])  # [E, T, D]
+    return torch.einsum("etd,te->td", y.float(), combine)
+
+
+def experts_gather(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   w: Weights) -> torch.Tensor:
+    """Only the chosen experts' weights are read: T*K gathered matvecs (best when T*K < E)."""
+    T, K = ids.shape
+    E = spec.local_experts
+    local = ids - w["rank.expert_ids"][0]
+    mine = (local >= 0) & (local < E)
+    idx = torch.where(mine, local, torch.zeros_like(local)).reshape(-1)       # [T*K]
+    xk = x[:, None, :].expand(T, K, x.shape[-1]).reshape(T * K, -1, 1)
+    gu = torch.bmm(w["moe.experts_gate_up"][idx], xk).squeeze(-1)            # [T*K, 2I]
+    g, u = gu.chunk(2, dim=-1)
+    y = torch.bmm(w["moe.experts_down"][idx], (F.silu(g) * u)[:, :, None]).squeeze(-1)   # [T*K, D]
+    coef = torch.where(mine, weights, torch.zeros_like(weights)).reshape(-1, 1)
+    return (y.float() * coef).view(T, K, -1).sum(1)
+
+
+def experts_capacity(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     w: Weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Capacity-grouped experts: each local expert takes at most `capacity` tokens, in token order.
+
+    -> (out [T, D] fp32, overflow [] bool). When any expert overflows, `out` is missing the dropped
+    tokens' contributions and the caller must rerun the layer's MoE on the dense path.
+    """
+    T, K = ids.shape
+    E, Cap, D = spec.local_experts, spec.capacity, x.shape[-1]
+    local = (ids - w["rank.expert_ids"][0]).reshape(-1)                      # [T*K], token-major
+    mine = (local >= 0) & (local < E)
+    onehot = F.one_hot(torch.where(mine, local, torch.zeros_like(local)), E) * mine[:, None]   # [T*K, E]
+    slot = ((torch.cumsum(onehot, dim=0) - 1) * onehot).sum(-1)              # place in its expert's queue
+    overflow = (onehot.sum(0) > Cap).any()
+    keep = mine & (slot < Cap)
+    dest = torch.where(keep, local * Cap + slot, torch.full_like(local, E * Cap))   # E*Cap: the drop row
+    token = torch.arange(T, device=x.device).repeat_interleave(K)
+    table = torch.zeros(E * Cap + 1, dtype=torch.long, device=x.device).index_put((dest,), token)
+    xd = x[table[: E * Cap]].view(E, Cap, D)
+    g, u = torch.bmm(xd, w["moe.experts_gate_up"].transpose(1, 2)).chunk(2, dim=-1)
+    y = torch.bmm(F.silu(g) * u, w["moe.experts_down"].transpose(1, 2))      # [E, Cap, D]
+    y = torch.cat([y.reshape(E * Cap, D).float(), torch.zeros(1, D, device=x.device)], dim=0)
+    coef = torch.where(keep, weights.reshape(-1), torch.zeros_like(weights.reshape(-1)))
+    out = (y[dest] * coef[:, None]).view(T, K, D).sum(1)
+    return out, overflow
+
+
+def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed + shared experts of one layer, summed over EP ranks. x [T, D] normed -> ([T, D], overflow)."""
+    m = spec.model
+    ids, weights = route(m, x, w)
+    overflow = torch.zeros((), dtype=torch.bool, device=x.device)
+    if path == "capacity":
+        routed, overflow = experts_capacity(spec, x, ids, weights, w)
+    elif path == "gather":
+        routed = experts_gather(spec, x, ids, weights, w)
+    else:
+        routed = experts_dense(spec, x, ids, weights, w)
+    if m.n_shared_experts:
+        routed = routed + swiglu(x, w["moe.shared_gate_up"], w["moe.shared_down"]).float()
+    out = comm.ep_all_reduce_sum(routed)
+    if path == "capacity" and spec.ep > 1:
+        overflow = comm.ep_all_reduce_max(overflow.to(torch.int32)) > 0
+    return out.to(x.dtype), overflow
+
+
+# -- regions -------------------------------------------------------------------------------------
+def embed_region(spec: RegionSpec, token_ids: torch.Tensor, w: Weights) -> torch.Tensor:
+    return F.embedding(token_ids, w["embed"])
+
+
+def layer_region(spec: RegionSpec, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, kv_cache: torch.Tensor, w: Weights, comm: Comm = SINGLE_RANK):
+    """One decoder layer. Dense layers return h; MoE layers in prefill chunks return (h, h_mid, overflow)."""
+    m = spec.model
+    h = hidden + mla_attention(spec, rms_norm(hidden, w["input_layernorm"], m.rms_norm_eps),
+                               positions, slot_mapping, block_tables, kv_cache, w, comm)
+    x = rms_norm(h, w["post_attention_layernorm"], m.rms_norm_eps)
+    if spec.region == DENSE_LAYER:
+        return h + swiglu(x, w["mlp.gate_up"], w["mlp.down"])
+    if spec.kind == PREFILL:
+        out, overflow = moe(spec, x, w, comm, "capacity")
+        return h + out, h, overflow
+    out, _ = moe(spec, x, w, comm, spec.moe_decode_path)
+    return h + out
+
+
+def moe_dense_region(spec: RegionSpec, h_mid: torch.Tensor, w: Weights, comm: Comm = SINGLE_RANK) -> torch.Tensor:
+    """The MoE half of a layer on the dense path: the rerun after a capacity overflow."""
+    x = rms_norm(h_mid, w["post_attention_layernorm"], spec.model.rms_norm_eps)
+    out, _ = moe(spec, x, w, comm, "dense")
+    return h_mid + out
+
+
+def head_region(spec: RegionSpec, hidden: torch.Tensor, logit_indices: torch.Tensor, w: Weights) -> torch.Tensor:
+    """Final norm and LM head, only for the tokens whose logits are wanted. -> [L, V] fp32."""
+    x = rms_norm(hidden[logit_indices], w["norm"], spec.model.rms_norm_eps)
+    return F.linear(x, w["lm_head"]).float()
+
+
+REGION_FUNCS: dict[str, Callable] = {
+    EMBED: embed_region,
+    DENSE_LAYER: layer_region,
+    MOE_LAYER: layer_region,
+    MOE_DENSE: moe_dense_region,
+    HEAD: head_region,
+}
+
+
+# -- rope frequencies (computed at compile time, shipped as the weight 'rope.inv_freq') ----------------
+def rope_inv_freq(m: ModelConfig) -> torch.Tensor:
+    """transformers' default / YaRN inverse frequencies, bit for bit (fp32)."""
+    r, dim = m.rope, m.qk_rope_head_dim
+    pos_freqs = r.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)
+    if r.rope_type == "default":
+        return 1.0 / pos_freqs
+    inv_extra = 1.0 / pos_freqs
+    inv_inter = 1.0 / (r.factor * pos_freqs)
+
+    def correction_dim(rot: float) -> float:
+        return (dim * math.log(r.original_max_position_embeddings / (rot * 2 * math.pi))) / (2 * math.log(r.theta))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extra_factor = 1 - ramp
+    return inv_inter * (1 - extra_factor) + inv_extra * extra_factor

@@ -1,0 +1,146 @@
+"""Compile options: one frozen dataclass, resolved and validated before any work."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..common.errors import OptionError
+from ..common.manifest import CompileConfig, Layout, RankLayout
+from ..common.model_config import ModelConfig
+
+BACKENDS = ("cpu", "eager", "cuda", "neuron")
+DTYPE_NAMES = ("float32", "bfloat16")
+NEURON_TARGETS = ("trn1", "trn2", "inf2")
+DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    model: Path
+    out: Path
+    backend: str = "cpu"
+    dtype: str = "float32"
+    cp: int = 1
+    ep: int = 1
+    decode_buckets: tuple[int, ...] = (1, 4, 16)
+    prefill_buckets: tuple[int, ...] = (128,)
+    context_buckets: tuple[int, ...] = ()
+    context_limit: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    moe_capacity: int | None = None
+    capacity_factor: float = 2.0
+    moe_decode_path: str = "auto"
+    shape_only: bool = False
+    device_memory: int | None = None     # bytes per rank; refuse layouts that do not fit
+    neuron_target: str | None = None
+    cache_dir: Path | None = None
+    keep_going: bool = False
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("DEEPINFER_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deepinfer"
+
+
+def resolve(o: CompileOptions, m: ModelConfig) -> CompileConfig:
+    """Fill defaults from the model and check every rule; raises OptionError naming the flag."""
+    if o.backend not in BACKENDS:
+        raise OptionError(f"--backend={o.backend!r} is not one of {', '.join(BACKENDS)}")
+    if o.dtype not in DTYPE_NAMES:
+        raise OptionError(f"--dtype={o.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    if o.backend == "neuron" and o.neuron_target not in NEURON_TARGETS:
+        raise OptionError(f"--neuron-target={o.neuron_target!r} must be one of {', '.join(NEURON_TARGETS)} "
+                          f"with --backend neuron")
+    for flag, v in (("--cp", o.cp), ("--ep", o.ep), ("--block-size", o.block_size)):
+        if v < 1:
+            raise OptionError(f"{flag}={v} must be >= 1")
+    world = max(o.cp, o.ep)
+    if world % o.cp or world % o.ep:
+        raise OptionError(f"--cp={o.cp} and --ep={o.ep} must both divide world=max(cp, ep)={world}")
+    if m.n_routed_experts % o.ep:
+        raise OptionError(f"n_routed_experts={m.n_routed_experts} is not divisible by --ep={o.ep}")
+    shared = m.n_shared_experts * m.moe_intermediate_size
+    if shared % o.ep:
+        raise OptionError(f"the shared experts' intermediate size {shared} is not divisible by --ep={o.ep}")
+
+    limit = o.context_limit if o.context_limit is not None else min(m.max_position_embeddings, 4096)
+    if limit < 1:
+        raise OptionError(f"--context-limit={limit} must be >= 1")
+    if limit > m.max_position_embeddings:
+        raise OptionError(f"--context-limit={limit} exceeds the model's max_position_embeddings="
+                          f"{m.max_position_embeddings}")
+    if limit % o.block_size:
+        raise OptionError(f"--context-limit={limit} is not a multiple of --block-size={o.block_size}")
+
+    decode = _buckets("--decode-buckets", o.decode_buckets, limit)
+    if not decode:
+        raise OptionError("--decode-buckets must name at least one bucket")
+    prefill = _buckets("--prefill-buckets", o.prefill_buckets, limit)
+    ctx = _buckets("--context-buckets", o.context_buckets, limit)
+    for c in ctx:
+        if c % o.block_size:
+            raise OptionError(f"--context-buckets: {c} is not a multiple of --block-size={o.block_size}")
+    ctx = tuple(sorted(set(ctx) | {limit}))
+
+    blocks_per_seq = limit // o.block_size
+    nkv = o.num_kv_blocks
+    if nkv is None:
+        nkv = blocks_per_seq * max(decode)
+        nkv = -(-nkv // o.cp) * o.cp
+    if nkv < blocks_per_seq:
+        raise OptionError(f"--num-kv-blocks={nkv} cannot hold one full-length sequence: context limit {limit} "
+                          f"needs {blocks_per_seq} blocks of {o.block_size}")
+    if nkv % o.cp:
+        raise OptionError(f"--num-kv-blocks={nkv} is not divisible by --cp={o.cp}")
+
+    K, E = m.num_experts_per_tok, m.n_routed_experts
+    if o.moe_capacity is not None:
+        if o.moe_capacity < 1:
+            raise OptionError(f"--moe-capacity={o.moe_capacity} must be >= 1")
+        caps = tuple(min(o.moe_capacity, T) for T in prefill)
+    else:
+        if o.capacity_factor <= 0:
+            raise OptionError(f"--capacity-factor={o.capacity_factor} must be > 0")
+        caps = tuple(min(T, max(1, math.ceil(o.capacity_factor * T * K / E))) for T in prefill)
+
+    path = o.moe_decode_path
+    if path == "auto":
+        # Reading every local expert is cheap in compute but not in bandwidth; gather when few are hit.
+        path = "gather" if max(decode) * K < E // o.ep else "dense"
+    if path not in ("dense", "gather"):
+        raise OptionError(f"--moe-decode-path={o.moe_decode_path!r} must be auto, dense or gather")
+
+    return CompileConfig(backend=o.backend, dtype=o.dtype, cp=o.cp, ep=o.ep, decode_buckets=decode,
+                         prefill_buckets=prefill, context_buckets=ctx, context_limit=limit,
+                         block_size=o.block_size, num_kv_blocks=nkv, moe_capacity=caps,
+                         capacity_factor=None if o.moe_capacity is not None else o.capacity_factor,
+                         moe_decode_path=path, neuron_target=o.neuron_target)
+
+
+def _buckets(flag: str, values: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    for v in values:
+        if not isinstance(v, int) or v < 1:
+            raise OptionError(f"{flag}: {v!r} is not a positive integer")
+        if v > limit:
+            raise OptionError(f"{flag}: bucket {v} is larger than the context limit {limit}")
+    return tuple(sorted(set(values)))
+
+
+def make_layout(m: ModelConfig, cc: CompileConfig) -> Layout:
+    """Rank r: CP rank r % cp, EP rank r % ep; experts and the shared-expert slice by EP rank."""
+    E = m.n_routed_experts // cc.ep
+    Is = m.n_shared_experts * m.moe_intermediate_size // cc.ep
+    ranks = tuple(RankLayout(rank=r, cp_rank=r % cc.cp, ep_rank=r % cc.ep,
+                             experts=((r % cc.ep) * E, (r % cc.ep + 1) * E),
+                             shared_slice=((r % cc.ep) * Is, (r % cc.ep + 1) * Is),
+                             kv_blocks=cc.kv_blocks_per_rank)
+                  for r in range(cc.world))
+    return Layout(world=cc.world, cp=cc.cp, ep=cc.ep,
+                  kv_ownership="global block b -> cp_rank b % cp, local block b // cp; "
+                               "the local pool's last block is the trash block", ranks=ranks)

@@ -1,0 +1,104 @@
+"""Open an artifact: verify every file and the toolchain against the manifest, then load graphs and weights."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..common.errors import ArtifactError, BackendUnavailable
+from ..common.manifest import GraphEntry, Manifest, sha256_file
+from ..common.toolchain import cpu_isa
+
+
+@dataclass(frozen=True)
+class Artifact:
+    root: Path
+    manifest: Manifest
+
+    def file(self, rel: str) -> Path:
+        return self.root / rel
+
+
+def open_artifact(root: str | Path, verify: bool = True, check_toolchain: bool = True) -> Artifact:
+    root = Path(root)
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: no such artifact directory (run deepinfer-compile first)")
+    manifest = Manifest.read(root)
+    art = Artifact(root, manifest)
+    if manifest.compute_root_hash() != manifest.root_hash:
+        raise ArtifactError(f"{root / 'manifest.json'}: root hash does not match its contents "
+                            f"(the manifest was edited after compile)")
+    if check_toolchain:
+        verify_toolchain(manifest)
+    if verify:
+        verify_files(art)
+    return art
+
+
+def verify_files(art: Artifact) -> None:
+    """Every file the manifest names: present, full size, same sha256. Names the first bad file."""
+    m = art.manifest
+    items: list[tuple[str, str, int | None]] = [(g.file, g.file_sha256, None) for g in m.graphs]
+    items += [(w.path, w.sha256, w.bytes) for w in m.weights]
+    items += [(t.path, t.sha256, t.bytes) for t in m.tokenizer]
+    for rel, sha, size in items:
+        p = art.file(rel)
+        if not p.is_file():
+            raise ArtifactError(f"{p}: missing (listed in the manifest)")
+        if size is not None and p.stat().st_size != size:
+            raise ArtifactError(f"{p}: {p.stat().st_size} bytes, the manifest says {size} (truncated or replaced)")
+        got = sha256_file(p)
+        if got != sha:
+            raise ArtifactError(f"{p}: sha256 {got[:16]}… does not match the manifest's {sha[:16]}… (file altered)")
+
+
+def verify_toolchain(m: Manifest) -> None:
+    tc = m.toolchain
+    if tc.backend in ("cpu", "eager") and tc.torch != torch.__version__:
+        raise ArtifactError(f"artifact was compiled with torch {tc.torch}, this is torch {torch.__version__}; "
+                            f"recompile it here")
+    if tc.backend == "cpu":
+        here = cpu_isa()
+        if tc.target != here:
+            raise ArtifactError(f"artifact was compiled for CPU {tc.target}, this machine is {here}; recompile it here")
+    if tc.backend == "cuda" and not torch.cuda.is_available():
+        raise ArtifactError("artifact backend is cuda but no CUDA device is available here")
+
+
+GraphFn = Callable[..., object]
+
+
+def load_graph(art: Artifact, g: GraphEntry, device: torch.device) -> GraphFn:
+    backend = art.manifest.compile.backend
+    path = str(art.file(g.file))
+    if backend == "cpu":
+        runner = torch._inductor.aoti_load_package(path)
+        return runner
+    if backend == "eager":
+        return torch.export.load(path).module()
+    if backend == "cuda":
+        ep = torch.export.load(path)
+        mod = ep.module().to(device)
+        return torch.compile(mod, fullgraph=True, dynamic=False)
+    if backend == "neuron":
+        raise BackendUnavailable("backend 'neuron' needs torch-neuronx from the AWS Neuron package repository "
+                                 "(https://pip.repos.neuron.amazonaws.com); it is not installed here")
+    raise ArtifactError(f"manifest backend {backend!r} is unknown")
+
+
+def load_weights(art: Artifact, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    shard = next((w for w in art.manifest.weights if w.rank == rank), None)
+    if shard is None:
+        raise ArtifactError(f"{art.root}: the manifest has no weight shard for rank {rank} "
+                            f"(a shape-only artifact cannot run)")
+    return load_file(str(art.file(shard.path)), device=str(device))
+
+
+def machine() -> str:
+    return f"{platform.machine()} python {sys.version_info.major}.{sys.version_info.minor}"

@@ -1,0 +1,175 @@
+"""The engine loop: schedule -> build step inputs -> run the graphs -> sample -> finish or continue."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..common.errors import RequestError
+from ..common.manifest import Manifest
+from .artifact import Artifact, load_graph, load_weights, open_artifact
+from .model_runner import ModelRunner, RegionTimer, StepInputs, build_inputs
+from .sampler import sample
+from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from .sequence import SamplingParams, Sequence
+from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+
+
+class Engine:
+    def __init__(self, manifest: Manifest, runner: ModelRunner, tokenizer: Tokenizer | None,
+                 publish: Callable[[StepInputs], None] | None = None, max_waiting: int = 1024):
+        self.manifest = manifest
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.publish = publish            # multi-rank: hands each step's inputs to the followers
+        cc = manifest.compile
+        self.scheduler = Scheduler(SchedulerConfig(
+            decode_buckets=cc.decode_buckets, prefill_buckets=cc.prefill_buckets,
+            context_buckets=cc.context_buckets, context_limit=cc.context_limit, block_size=cc.block_size,
+            num_blocks=cc.num_kv_blocks, max_waiting=max_waiting))
+        self.eos_ids = set(manifest.model.eos_token_ids)
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+        self.num_generated = 0
+        self.host_seconds = 0.0
+        self.sampler_seconds = 0.0
+
+    @classmethod
+    def from_artifact(cls, path: str | Path, device: str = "cpu", verify: bool = True, timing: bool = False,
+                      **kw) -> "Engine":
+        art = open_artifact(path, verify=verify)
+        runner = make_runner(art, rank=0, device=device, timing=timing)
+        tok = load_tokenizer(art.root, [t.path for t in art.manifest.tokenizer], art.manifest.model.bos_token_id)
+        return cls(art.manifest, runner, tok, **kw)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        limit = self.manifest.compile.context_limit
+        vocab = self.manifest.model.vocab_size
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        bad = next((t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if params.max_tokens < 1:
+            raise RequestError(f"max_tokens={params.max_tokens} must be at least 1")
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                               f"{len(prompt_ids) + params.max_tokens} exceeds the compiled context limit {limit}")
+        if params.temperature < 0:
+            raise RequestError(f"temperature={params.temperature} must be >= 0")
+        if not 0 < params.top_p <= 1:
+            raise RequestError(f"top_p={params.top_p} must be in (0, 1]")
+        if params.top_k < 0:
+            raise RequestError(f"top_k={params.top_k} must be >= 0 (0 = off)")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self.validate(prompt_ids, params)
+        seq = Sequence(list(prompt_ids), params)
+        self.scheduler.add(seq)
+        if self.tokenizer is not None:
+            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+        self._detok.pop(seq.seq_id, None)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        inputs = build_inputs(step, self.manifest.compile.block_size)
+        if self.publish is not None:
+            self.publish(inputs)
+        t1 = time.perf_counter()
+        logits = self.runner.run(inputs)
+        t2 = time.perf_counter()
+        outputs = self._postprocess(step, logits)
+        t3 = time.perf_counter()
+        self.num_steps += 1
+        self.host_seconds += (t1 - t0) + (t3 - t2)
+        self.sampler_seconds += t3 - t2
+        if self.runner.timer is not None:
+            self.runner.timer.add(step.kind, "host+sampler", (t1 - t0) + (t3 - t2))
+        return outputs
+
+    def _postprocess(self, step: ScheduledStep, logits: torch.Tensor) -> list[StepOutput]:
+        self.scheduler.advance(step)
+        sampled = [e.seq for e in step.entries if e.wants_logits]
+        if not sampled:
+            return []
+        tokens, lps, tops = sample(logits, sampled)
+        now = time.monotonic()
+        outs = []
+        limit = self.manifest.compile.context_limit
+        for seq, tok, lp, top in zip(sampled, tokens, lps, tops):
+            if seq.is_finished:   # aborted while the step ran
+                continue
+            seq.output_ids.append(tok)
+            seq.token_logprobs.append(lp)
+            seq.output_logprobs.append(top)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self.num_generated += 1
+            text = ""
+            det = self._detok.get(seq.seq_id)
+            if det is not None:
+                text = det.add([tok])
+                seq.output_text = det.text
+            reason = None
+            if tok in self.eos_ids and not seq.params.ignore_eos:
+                reason = "stop"
+            elif seq.params.stop and det is not None:
+                hit = _first_stop(seq.output_text, seq.params.stop)
+                if hit is not None:
+                    cut = hit
+                    emitted_before = len(seq.output_text) - len(text)
+                    text = seq.output_text[emitted_before:cut] if cut > emitted_before else ""
+                    seq.output_text = seq.output_text[:cut]
+                    reason = "stop"
+            if reason is None and (len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= limit):
+                reason = "length"
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._detok.pop(seq.seq_id, None)
+            outs.append(StepOutput(seq, [tok], text, reason is not None))
+        return outs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_work:
+            self.step()
+        return seqs
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def make_runner(art: Artifact, rank: int, device: str = "cpu", timing: bool = False) -> ModelRunner:
+    dev = torch.device(device)
+    graphs = {g.name: load_graph(art, g, dev) for g in art.manifest.graphs}
+    weights = load_weights(art, rank, dev)
+    return ModelRunner(art.manifest, graphs, weights, dev, RegionTimer(dev) if timing else None)

@@ -1,0 +1,164 @@
+"""Run one scheduled step through the compiled region graphs: embed -> layers -> head.
+
+The step's host metadata (`StepInputs`) is all a rank needs besides its own weights and KV shard, so the
+same record drives the leader and, through shared memory, its followers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..common.manifest import (DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER, PREFILL, Manifest,
+                               graph_name)
+from .scheduler import ScheduledStep
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class StepInputs:
+    kind: str
+    tokens: int
+    context: int
+    token_ids: np.ndarray       # [T] int64
+    positions: np.ndarray       # [T] int64
+    slot_mapping: np.ndarray    # [T] int64, -1 = padding
+    block_tables: np.ndarray    # [R, B] int64, -1 = no block
+    logit_indices: np.ndarray   # [L] int64
+    num_logits: int             # real rows of the logits
+
+
+def build_inputs(step: ScheduledStep, block_size: int) -> StepInputs:
+    T, C = step.tokens, step.context
+    B = C // block_size
+    rows = T if step.kind == DECODE else 1
+    L = T if step.kind == DECODE else 1
+    token_ids = np.zeros(T, np.int64)
+    positions = np.zeros(T, np.int64)
+    slots = np.full(T, -1, np.int64)
+    tables = np.full((rows, B), -1, np.int64)
+    logit_idx = np.zeros(L, np.int64)
+    t = n_logits = 0
+    for e in step.entries:
+        seq = e.seq
+        table = np.asarray(seq.block_table[:B], np.int64)
+        for pos in range(e.start, e.start + e.num_tokens):
+            token_ids[t] = seq.token_at(pos)
+            positions[t] = pos
+            slots[t] = seq.block_table[pos // block_size] * block_size + pos % block_size
+            if step.kind == DECODE:
+                tables[t, : len(table)] = table
+            t += 1
+        if step.kind == PREFILL:
+            tables[0, : len(table)] = table
+        if e.wants_logits:
+            logit_idx[n_logits] = t - 1
+            n_logits += 1
+    return StepInputs(step.kind, T, C, token_ids, positions, slots, tables, logit_idx, n_logits)
+
+
+class RegionTimer:
+    """Per-region wall time per step kind (DEEPINFER_REGION_TIMING=1); synchronises CUDA when timing."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.totals: dict[tuple[str, str], float] = {}
+        self.counts: dict[tuple[str, str], int] = {}
+        self.steps: dict[str, int] = {}
+
+    def add(self, kind: str, region: str, seconds: float) -> None:
+        k = (kind, region)
+        self.totals[k] = self.totals.get(k, 0.0) + seconds
+        self.counts[k] = self.counts.get(k, 0) + 1
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def table(self) -> str:
+        rows = ["step kind  region        calls   total ms   ms/step"]
+        for (kind, region), tot in sorted(self.totals.items()):
+            steps = max(self.steps.get(kind, 1), 1)
+            rows.append(f"{kind:<10} {region:<12} {self.counts[(kind, region)]:>6} {tot * 1e3:>10.1f} "
+                        f"{tot * 1e3 / steps:>9.3f}")
+        return "\n".join(rows)
+
+
+class ModelRunner:
+    """One rank's graphs, weights and KV pool. `graphs` maps graph names to callables."""
+
+    def __init__(self, manifest: Manifest, graphs: dict[str, Callable], weights: dict[str, torch.Tensor],
+                 device: torch.device | str = "cpu", timer: RegionTimer | None = None):
+        self.manifest = manifest
+        self.device = torch.device(device)
+        self.graphs = graphs
+        self.timer = timer
+        m, cc = manifest.model, manifest.compile
+        self.num_layers = m.num_hidden_layers
+        dtype = DTYPES[cc.dtype]
+        self.kv_caches = [torch.zeros(cc.kv_blocks_per_rank + 1, cc.block_size, m.kv_cache_dim, dtype=dtype,
+                                      device=self.device) for _ in range(m.num_hidden_layers)]
+        entries = {g.name: g for g in manifest.graphs}
+        # Per region: the weight dict of each layer (or the single global one), built once.
+        self.layer_weights: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        layers_of = {EMBED: [0], HEAD: [0],
+                     DENSE_LAYER: [i for i in range(self.num_layers) if not m.is_moe_layer(i)],
+                     MOE_LAYER: [i for i in range(self.num_layers) if m.is_moe_layer(i)]}
+        layers_of[MOE_DENSE] = layers_of[MOE_LAYER]
+        for region, layers in layers_of.items():
+            g = next((e for e in entries.values() if e.region == region), None)
+            if g is not None:
+                self.layer_weights[region] = {
+                    i: {w.key: weights[w.source.format(layer=i)] for w in g.weights} for i in layers}
+        self.dense_layers = [i for i in range(self.num_layers) if not m.is_moe_layer(i)]
+        self.overflow_reruns = 0
+
+    def _call(self, kind: str, region: str, name: str, *args):
+        fn = self.graphs[name]
+        if self.timer is None:
+            return fn(*args)
+        self.timer.sync()
+        t = time.perf_counter()
+        out = fn(*args)
+        self.timer.sync()
+        self.timer.add(kind, region, time.perf_counter() - t)
+        return out
+
+    @torch.inference_mode()
+    def run(self, si: StepInputs) -> torch.Tensor:
+        """Run the step; returns logits [num_logits, V] (fp32, on the CPU)."""
+        dev = self.device
+        if self.timer is not None:
+            self.timer.steps[si.kind] = self.timer.steps.get(si.kind, 0) + 1
+        T, C, kind = si.tokens, si.context, si.kind
+        token_ids = torch.from_numpy(si.token_ids).to(dev)
+        positions = torch.from_numpy(si.positions).to(dev)
+        slots = torch.from_numpy(si.slot_mapping).to(dev)
+        tables = torch.from_numpy(si.block_tables).to(dev)
+        h = _first(self._call(kind, EMBED, graph_name(EMBED, kind, T), token_ids, self.layer_weights[EMBED][0]))
+        for i in range(self.num_layers):
+            region = DENSE_LAYER if i in self.dense_layers else MOE_LAYER
+            name = graph_name(region, kind, T, C)
+            w = self.layer_weights[region][i]
+            out = self._call(kind, region, name, h, positions, slots, tables, self.kv_caches[i], w)
+            if region == MOE_LAYER and kind == PREFILL:
+                h, h_mid, overflow = out
+                if bool(overflow):
+                    self.overflow_reruns += 1
+                    h = self._call(kind, MOE_DENSE, graph_name(MOE_DENSE, kind, T), h_mid,
+                                   self.layer_weights[MOE_DENSE][i])
+            else:
+                h = _first(out)
+        logits = _first(self._call(kind, HEAD, graph_name(HEAD, kind, T), h,
+                                   torch.from_numpy(si.logit_indices).to(dev), self.layer_weights[HEAD][0]))
+        return logits[: si.num_logits].float().cpu()
+
+
+def _first(out):
+    """Exported modules return a tensor, AOTInductor packages a list: take the single output."""
+    return out[0] if isinstance(out, (tuple, list)) else out

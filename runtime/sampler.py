@@ -1,0 +1,53 @@
+"""Next-token choice per sequence: greedy, temperature, top-k, top-p, each request with its own seeded RNG."""
+
+from __future__ import annotations
+
+import torch
+
+from .sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float], list[dict[int, float]]]:
+    """logits [n, V] fp32 -> (token ids, their logprobs, top-N logprobs where asked)."""
+    greedy = logits.argmax(dim=-1)
+    want_lp = any(s.params.logprobs is not None for s in seqs)
+    logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+    tokens: list[int] = []
+    chosen_lp: list[float] = []
+    tops: list[dict[int, float]] = []
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.greedy:
+            tok = int(greedy[i])
+        else:
+            tok = _sample_row(logits[i], p.temperature, p.top_k, p.top_p, seq.generator)
+        tokens.append(tok)
+        if logprobs is not None:
+            chosen_lp.append(float(logprobs[i, tok]))
+            n = p.logprobs or 0
+            if n > 0:
+                v, ix = logprobs[i].topk(n)
+                tops.append({int(t): float(x) for t, x in zip(ix, v)})
+            else:
+                tops.append({})
+        else:
+            chosen_lp.append(0.0)
+            tops.append({})
+    return tokens, chosen_lp, tops
+
+
+def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                generator: torch.Generator | None) -> int:
+    row = row.float() / temperature
+    if 0 < top_k < row.numel():
+        kth = row.topk(top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = row.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        row = torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits)
+    probs = row.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

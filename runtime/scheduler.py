@@ -1,0 +1,200 @@
+"""Continuous batching over compiled buckets: decode tokens and short prompts share a prompt-as-decode
+step; long prompts go in prefill chunks; every step is padded to a bucket the artifact holds."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from ..common.errors import CapacityError
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    decode_buckets: tuple[int, ...]
+    prefill_buckets: tuple[int, ...]
+    context_buckets: tuple[int, ...]
+    context_limit: int
+    block_size: int
+    num_blocks: int
+    max_waiting: int = 1024
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Running sequences at once: all of them must fit one decode step."""
+        return max(self.decode_buckets)
+
+    @property
+    def prompt_as_decode_limit(self) -> int:
+        """Prompts with at most this many tokens left run in decode steps (all of them, without prefill graphs)."""
+        return max(self.decode_buckets) if self.prefill_buckets else self.context_limit
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    seq: Sequence
+    start: int           # first position computed in this step
+    num_tokens: int
+    wants_logits: bool   # this step reaches the sequence's last known token: sample the next one
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    kind: str            # decode | prefill
+    tokens: int          # the bucket T
+    context: int         # the context bucket C
+    entries: tuple[StepEntry, ...]
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+
+def smallest_at_least(buckets: tuple[int, ...], n: int) -> int | None:
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._last_kind = "decode"
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise CapacityError(f"the waiting queue is full ({self.cfg.max_waiting} requests); retry later")
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.abort(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ---------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep | None:
+        prefill = self._prefill_candidate()
+        decode_ready = any(s.num_uncomputed <= self.cfg.prompt_as_decode_limit for s in self.running) or any(
+            s.num_uncomputed <= self.cfg.prompt_as_decode_limit for s in self.waiting)
+        if prefill is not None and (self._last_kind == "decode" or not decode_ready):
+            step = self._schedule_prefill(prefill)
+            if step is not None:
+                self._last_kind = "prefill"
+                return step
+        step = self._schedule_decode()
+        if step is None and prefill is not None:
+            step = self._schedule_prefill(prefill)
+        if step is not None:
+            self._last_kind = step.kind
+        return step
+
+    def _prefill_candidate(self) -> Sequence | None:
+        if not self.cfg.prefill_buckets:
+            return None
+        for s in self.running:
+            if s.num_uncomputed > self.cfg.prompt_as_decode_limit:
+                return s
+        for s in self.waiting:
+            if s.num_uncomputed > self.cfg.prompt_as_decode_limit:
+                return s if len(self.running) < self.cfg.max_num_seqs else None
+        return None
+
+    def _schedule_prefill(self, seq: Sequence) -> ScheduledStep | None:
+        n = min(seq.num_uncomputed, max(self.cfg.prefill_buckets))
+        need = self.blocks.blocks_needed(seq, n)
+        if not self.blocks.can_allocate(need):
+            if seq.status is Status.WAITING or not self._preempt_for(need, seq, keep={seq}):
+                return None
+        self._admit(seq)
+        self.blocks.allocate(seq, n)
+        bucket = smallest_at_least(self.cfg.prefill_buckets, n)
+        entry = StepEntry(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
+        return ScheduledStep("prefill", bucket, self._context_bucket(seq.num_computed + n), (entry,))
+
+    def _schedule_decode(self) -> ScheduledStep | None:
+        budget = max(self.cfg.decode_buckets)
+        limit = self.cfg.prompt_as_decode_limit
+        entries: list[StepEntry] = []
+        chosen: set[Sequence] = set()
+        used = 0
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_uncomputed > limit or used >= budget:
+                continue
+            n = min(seq.num_uncomputed, budget - used)
+            need = self.blocks.blocks_needed(seq, n)
+            if not self.blocks.can_allocate(need) and not self._preempt_for(need, seq, keep=chosen | {seq}):
+                self._preempt(seq)
+                continue
+            self.blocks.allocate(seq, n)
+            entries.append(StepEntry(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            chosen.add(seq)
+            used += n
+        for seq in list(self.waiting):
+            if used >= budget or len(self.running) >= self.cfg.max_num_seqs:
+                break
+            if seq.num_uncomputed > limit:
+                continue
+            n = min(seq.num_uncomputed, budget - used)
+            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)):
+                break
+            self._admit(seq)
+            self.blocks.allocate(seq, n)
+            entries.append(StepEntry(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            chosen.add(seq)
+            used += n
+        if not entries:
+            return None
+        ctx = self._context_bucket(max(e.start + e.num_tokens for e in entries))
+        return ScheduledStep("decode", smallest_at_least(self.cfg.decode_buckets, used), ctx, tuple(entries))
+
+    def _context_bucket(self, n: int) -> int:
+        c = smallest_at_least(self.cfg.context_buckets, n)
+        assert c is not None, f"{n} tokens exceed the context limit {self.cfg.context_limit}"
+        return c
+
+    def _admit(self, seq: Sequence) -> None:
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+
+    def _preempt_for(self, need: int, requester: Sequence, keep: set[Sequence]) -> bool:
+        """Free blocks by preempting running sequences newer than `requester` (they are recomputed later),
+        newest first. The oldest running sequence can therefore always make progress."""
+        while not self.blocks.can_allocate(need):
+            victims = [s for s in self.running if s not in keep and s.seq_id > requester.seq_id]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=lambda s: s.seq_id))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    # -- after the step ---------------------------------------------------------------------------
+    def advance(self, step: ScheduledStep) -> None:
+        for e in step.entries:
+            e.seq.num_computed = e.start + e.num_tokens
