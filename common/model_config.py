@@ -74,7 +74,7 @@ class ModelConfig:
 
     @property
     def num_moe_layers(self) -> int:
-        return self.num_hidden_layers - self.first_k_dense_replace
+        return max(0, self.num_hidden_layers - self.first_k_dense_replace)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
@@ -116,7 +116,8 @@ class ModelConfig:
         router = self.n_routed_experts * D + self.n_routed_experts
         embed = self.vocab_size * D
         head = 0 if self.tie_word_embeddings else self.vocab_size * D
-        L, Ld, Lm = self.num_hidden_layers, self.first_k_dense_replace, self.num_moe_layers
+        L, Lm = self.num_hidden_layers, self.num_moe_layers
+        Ld = L - Lm
         return {
             "attention": L * (attn + norms),
             "dense_mlp": Ld * dense_mlp,
@@ -327,9 +328,8 @@ def validate(mc: ModelConfig, source: str = "config") -> None:
     if mc.topk_group < mc.n_group and per_group < 2:
         raise ConfigError(f"{source}: group-limited routing needs at least 2 experts per group "
                           f"(n_routed_experts={mc.n_routed_experts}, n_group={mc.n_group})")
-    if not 0 <= mc.first_k_dense_replace <= mc.num_hidden_layers:
-        raise ConfigError(f"{source}: first_k_dense_replace={mc.first_k_dense_replace} must be in "
-                          f"[0, num_hidden_layers={mc.num_hidden_layers}]")
+    if mc.first_k_dense_replace < 0:
+        raise ConfigError(f"{source}: first_k_dense_replace={mc.first_k_dense_replace} must be >= 0")
     if mc.n_shared_experts < 0:
         raise ConfigError(f"{source}: n_shared_experts={mc.n_shared_experts} must be >= 0")
     if mc.rms_norm_eps <= 0:

@@ -6,7 +6,6 @@ import hashlib
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,35 +69,20 @@ class CompileCache:
         return dst
 
 
-def build(backend: str, ep: torch.export.ExportedProgram, ghash: str, dest: Path, cache: CompileCache | None) -> bool:
-    """Write the backend's compiled form of `ep` to `dest`. Returns True on a cache hit."""
-    suffix = SUFFIX[backend]
-    assert suffix is not None
-    if cache is not None:
-        hit = cache.get(ghash, suffix)
-        if hit is not None:
-            shutil.copyfile(hit, dest)
-            cache.hits += 1
-            return True
-    if backend == "cpu":
-        _aoti_compile(ep, dest)
-    else:
+def fetch(cache: CompileCache, backend: str, ghash: str, dest: Path) -> bool:
+    """Copy a cached compiled file into place. Returns False on a miss."""
+    hit = cache.get(ghash, SUFFIX[backend])
+    if hit is None:
+        return False
+    shutil.copyfile(hit, dest)
+    cache.hits += 1
+    return True
+
+
+def compile_file(backend: str, ep: torch.export.ExportedProgram, dest: Path, cache_root: Path) -> None:
+    """Write the backend's compiled form of `ep` to `dest` (runs in a worker process)."""
+    if backend != "cpu":
         raise BackendUnavailable(f"backend {backend!r} has no compiled-file step here")
-    if cache is not None:
-        cache.misses += 1
-        cache.put(ghash, suffix, dest)
-    return False
-
-
-def _aoti_compile(ep: torch.export.ExportedProgram, dest: Path) -> None:
-    # A fixed, empty inductor cache per graph keeps the generated code free of leftovers from other graphs.
-    with tempfile.TemporaryDirectory(prefix="deepinfer-aoti-") as tmp:
-        old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
-        try:
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(dest))
-        finally:
-            if old is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+    # Inductor keeps its precompiled headers in its cache dir: a persistent one saves seconds a graph.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(dest))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -74,7 +76,7 @@ def compile_artifact(o: CompileOptions, log: Log = print) -> CompileReport:
         shards = _write_weights(m, cc, layout, ck, tmp, log) if ck is not None else []
         tok = _copy_tokenizer(ck, tmp)
         cache = backends.CompileCache(o.cache_dir or default_cache_dir())
-        graphs, failed = _build_graphs(plans, cc, tc, tmp, cache, o.keep_going, log)
+        graphs, failed = _build_graphs(plans, cc, tc, tmp, cache, o.keep_going, o.jobs or os.cpu_count() or 1, log)
         manifest = Manifest(schema_version=SCHEMA_VERSION, name=o.model.name, model=m, compile=cc, layout=layout,
                             graphs=tuple(graphs), weights=tuple(shards), tokenizer=tuple(tok), toolchain=tc,
                             memory=tuple(memory))
@@ -141,41 +143,92 @@ def _copy_tokenizer(ck: Checkpoint | None, tmp: Path) -> list[FileEntry]:
     return entries
 
 
-def _build_graphs(plans: list[GraphPlan], cc, tc, tmp: Path, cache, keep_going: bool, log: Log):
-    entries: list[GraphEntry] = []
+def _build_graphs(plans: list[GraphPlan], cc, tc, tmp: Path, cache, keep_going: bool, jobs: int, log: Log):
+    """Export every graph here (fast, and the source of the hashes), then compile the cache misses,
+    `jobs` at a time in worker processes. Entries come back in plan order whatever finishes first."""
+    suffix = backends.SUFFIX[cc.backend]
+    done: dict[str, GraphEntry] = {}
     failed: list[str] = []
+    pending: list[tuple[GraphPlan, str, str, str]] = []   # plan, ir sha, graph hash, file
     t_all = time.perf_counter()
-    for i, plan in enumerate(plans, 1):
+
+    def record(plan: GraphPlan, ir_sha: str, ghash: str, rel: str, status: str, secs: float) -> None:
+        done[plan.name] = GraphEntry(
+            name=plan.name, region=plan.spec.region, kind=plan.spec.kind, tokens=plan.spec.tokens,
+            context=plan.spec.context, file=rel, ir_sha256=ir_sha, graph_hash=ghash,
+            file_sha256=sha256_file(tmp / rel), inputs=plan.inputs, weights=plan.weights, outputs=plan.outputs)
+        log(f"[graph {len(done)}/{len(plans)}] {plan.name}{status} {secs:.1f}s, "
+            f"elapsed {time.perf_counter() - t_all:.0f}s")
+
+    def fail(plan: GraphPlan, err: str) -> None:
+        failed.append(plan.name)
+        log(f"[graph {plan.name}] FAILED: {err}")
+        if not keep_going:
+            raise DeepinferError(f"graph {plan.name} failed to compile: {err} (use --keep-going to build the others)")
+
+    for plan in plans:
         t = time.perf_counter()
         try:
             ep, ir = export_graph(plan)
-            ir_rel = f"graphs/{plan.name}.ep.pt2"
-            (tmp / ir_rel).write_bytes(ir)
-            ir_sha = sha256_bytes(ir)
-            ghash = backends.graph_hash(ir_sha, tc, cc.dtype)
-            suffix = backends.SUFFIX[cc.backend]
-            if suffix is None:
-                rel, hit = ir_rel, None
-            else:
-                rel = f"graphs/{plan.name}{suffix}"
-                hit = backends.build(cc.backend, ep, ghash, tmp / rel, cache)
-        except DeepinferError:
-            raise
-        except Exception as e:  # a tracing or compiler failure: name the graph
-            failed.append(plan.name)
-            log(f"[graph {i}/{len(plans)}] {plan.name}: FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            if not keep_going:
-                raise DeepinferError(f"graph {plan.name} failed to compile: {type(e).__name__}: "
-                                     f"{str(e).splitlines()[0][:300]} (use --keep-going to build the others)") from e
+        except Exception as e:  # a tracing failure: name the graph
+            fail(plan, _one_line(e))
             continue
-        status = "" if hit is None else (" (cached)" if hit else " (compiled)")
-        log(f"[graph {i}/{len(plans)}] {plan.name}{status} {time.perf_counter() - t:.1f}s, "
-            f"elapsed {time.perf_counter() - t_all:.0f}s")
-        entries.append(GraphEntry(
-            name=plan.name, region=plan.spec.region, kind=plan.spec.kind, tokens=plan.spec.tokens,
-            context=plan.spec.context, file=rel, ir_sha256=ir_sha, graph_hash=ghash,
-            file_sha256=sha256_file(tmp / rel), inputs=plan.inputs, weights=plan.weights, outputs=plan.outputs))
-    return entries, failed
+        ir_rel = f"graphs/{plan.name}.ep.pt2"
+        (tmp / ir_rel).write_bytes(ir)
+        ir_sha = sha256_bytes(ir)
+        ghash = backends.graph_hash(ir_sha, tc, cc.dtype)
+        if suffix is None:
+            record(plan, ir_sha, ghash, ir_rel, "", time.perf_counter() - t)
+            continue
+        rel = f"graphs/{plan.name}{suffix}"
+        if backends.fetch(cache, cc.backend, ghash, tmp / rel):
+            record(plan, ir_sha, ghash, rel, " (cached)", time.perf_counter() - t)
+        else:
+            pending.append((plan, ir_sha, ghash, rel))
+
+    if pending:
+        log(f"compiling {len(pending)} graph(s) with {cc.backend}, {min(jobs, len(pending))} at a time")
+    for plan, ir_sha, ghash, rel, err, secs in _compile_pending(pending, cc.backend, tmp, cache.root, jobs):
+        if err is not None:
+            fail(plan, err)
+            continue
+        cache.misses += 1
+        cache.put(ghash, suffix, tmp / rel)
+        record(plan, ir_sha, ghash, rel, " (compiled)", secs)
+    return [done[p.name] for p in plans if p.name in done], failed
+
+
+def _compile_pending(pending, backend: str, tmp: Path, cache_root: Path, jobs: int):
+    if not pending:
+        return
+    if jobs <= 1 or len(pending) == 1:
+        for plan, ir_sha, ghash, rel in pending:
+            yield (plan, ir_sha, ghash, rel, *_compile_worker(plan, backend, str(tmp / rel), str(cache_root), ir_sha))
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(pending)), mp_context=ctx) as pool:
+        futs = {pool.submit(_compile_worker, plan, backend, str(tmp / rel), str(cache_root), ir_sha):
+                (plan, ir_sha, ghash, rel) for plan, ir_sha, ghash, rel in pending}
+        for fut in as_completed(futs):
+            yield (*futs[fut], *fut.result())
+
+
+def _compile_worker(plan: GraphPlan, backend: str, dest: str, cache_root: str, ir_sha: str):
+    """Re-export (deterministic: the IR hash must match the parent's) and compile one graph."""
+    t = time.perf_counter()
+    try:
+        ep, ir = export_graph(plan)
+        if sha256_bytes(ir) != ir_sha:
+            return f"non-deterministic export: IR hash {sha256_bytes(ir)[:12]} != {ir_sha[:12]}", 0.0
+        backends.compile_file(backend, ep, Path(dest), Path(cache_root))
+    except Exception as e:  # compiler failures come back as text, with the graph named by the caller
+        return _one_line(e), time.perf_counter() - t
+    return None, time.perf_counter() - t
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
 
 
 # -- memory plan -----------------------------------------------------------------------------------
@@ -227,7 +280,7 @@ def _describe(o: CompileOptions, m: ModelConfig, cc, n_graphs: int) -> str:
              f"  context buckets  {', '.join(map(str, cc.context_buckets))} (limit {cc.context_limit})",
              f"  kv pool          {cc.num_kv_blocks} blocks x {cc.block_size} tokens "
              f"({cc.kv_blocks_per_rank} per rank)",
-             f"  model            {m.num_hidden_layers} layers ({m.first_k_dense_replace} dense), hidden "
+             f"  model            {m.num_hidden_layers} layers ({m.num_hidden_layers - m.num_moe_layers} dense), hidden "
              f"{m.hidden_size}, {m.n_routed_experts} experts top-{m.num_experts_per_tok}, vocab {m.vocab_size}",
              f"  graphs           {n_graphs}"]
     return "\n".join(lines)

@@ -35,7 +35,7 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
         specs.setdefault(name, RegionSpec(m, region, kind, tokens, context, cc.block_size, cc.cp, cc.ep,
                                           capacity, cc.moe_decode_path))
 
-    layers = ([DENSE_LAYER] if m.first_k_dense_replace else []) + ([MOE_LAYER] if m.num_moe_layers else [])
+    layers = ([DENSE_LAYER] if m.num_moe_layers < m.num_hidden_layers else []) + ([MOE_LAYER] if m.num_moe_layers else [])
     for T in cc.decode_buckets:
         add(EMBED, DECODE, T)
         for C in cc.context_buckets:
@@ -143,9 +143,12 @@ def export_graph(plan: GraphPlan, comm: Comm = SINGLE_RANK) -> tuple[torch.expor
     with FakeTensorMode(allow_non_fake_inputs=False):
         args = example_inputs(plan)
         ep = torch.export.export(RegionModule(plan.spec, comm), args, strict=False)
-    ep._example_inputs = None   # fake example inputs do not serialize portably; the manifest records shapes
+    # Fake example inputs do not serialize portably (the manifest records the shapes instead); AOTInductor
+    # still needs them, so they are put back after saving.
+    example, ep._example_inputs = ep._example_inputs, None
     buf = io.BytesIO()
     torch.export.save(ep, buf)
+    ep._example_inputs = example
     return ep, buf.getvalue()
 
 

@@ -39,6 +39,7 @@ class CompileOptions:
     neuron_target: str | None = None
     cache_dir: Path | None = None
     keep_going: bool = False
+    jobs: int | None = None              # parallel graph compiles (default: CPU count)
 
 
 def default_cache_dir() -> Path:

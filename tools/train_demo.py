@@ -347,9 +347,10 @@ def heldout_nll(model, stream: torch.Tensor, seq_len: int, batch_size: int) -> t
 # ----------------------------------------------------------------------- evaluation
 
 
-def pick_prompts(heldout: list[dict], n: int, seed: int) -> list[str]:
+def pick_prompts(heldout: list[dict], train_text: str, n: int, seed: int) -> list[str]:
     """Beginnings (5-12 words, within the first line) of prose paragraphs of held-out
-    documents, reference-manual sections first, at most one per document."""
+    documents, reference-manual sections first, at most one per document; a prompt
+    that also occurs verbatim in the training text is skipped."""
     rng = random.Random(seed)
     prose = re.compile(r"[A-Za-z][A-Za-z0-9 ,;:'()\-.]*")
     prompts = []
@@ -364,7 +365,7 @@ def pick_prompts(heldout: list[dict], n: int, seed: int) -> list[str]:
                         and sum(w.isalpha() for w in words) >= 0.8 * len(words)):
                     k = min(len(words) - 1, rng.randint(5, 12))
                     prompt = " ".join(words[:k]).rstrip(",;:(")
-                    if len(prompt.split()) >= 5:
+                    if len(prompt.split()) >= 5 and prompt not in train_text:
                         prompts.append(prompt)
                         break
     return prompts
@@ -534,7 +535,7 @@ def main() -> None:
     train_words = sorted({w for d in train_docs for w in d["text"].split()})
     word_set = set(train_words)
     words_file = write_words(args.out, train_words)
-    prompts = pick_prompts(held_docs, args.num_prompts, args.seed)
+    prompts = pick_prompts(held_docs, "\n".join(d["text"] for d in train_docs), args.num_prompts, args.seed)
     with open(os.path.join(args.out, "heldout_prompts.json"), "w") as f:
         json.dump(prompts, f, indent=2, ensure_ascii=False)
         f.write("\n")

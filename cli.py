@@ -1,0 +1,188 @@
+"""Command-line entry points: parse and validate, print what was resolved, call a typed function.
+
+This is the only module (with process start-up in runtime/) that reads environment variables.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from .common.errors import DeepinferError
+
+
+def _buckets(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return tuple(int(v) for v in str(value).split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+
+
+def _errors(fn):
+    """Typed errors become one line on stderr and exit code 2; --debug shows the traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        debug = kwargs.pop("debug", False)
+        try:
+            return fn(*args, **kwargs)
+        except DeepinferError as e:
+            if debug:
+                traceback.print_exc()
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+    return click.option("--debug", is_flag=True, help="Show tracebacks.")(wrapper)
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        click.echo(f"error: environment variable {name}={v!r} is not an integer", err=True)
+        sys.exit(2)
+
+
+# -- deepinfer-compile ----------------------------------------------------------------------------------
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", type=click.Path(path_type=Path), default=None,
+              help="Hugging Face checkpoint directory (default: the embedded demo model). With --shape-only, a "
+                   "config.json or a directory holding one.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True)
+@click.option("--backend", type=click.Choice(["cpu", "eager", "cuda", "neuron"]), default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel ranks (KV sharded by block).")
+@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel ranks.")
+@click.option("--decode-buckets", callback=_buckets, default="1,4,16", show_default=True,
+              help="Token counts of the prompt-as-decode graphs.")
+@click.option("--prefill-buckets", callback=_buckets, default="128", show_default=True,
+              help="Token counts of the prefill-chunk graphs ('' for none).")
+@click.option("--context-buckets", callback=_buckets, default="", help="Attention context lengths below the limit.")
+@click.option("--context-limit", type=int, default=None, help="Longest sequence (default: min(model, 4096)).")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--num-kv-blocks", type=int, default=None,
+              help="KV pool size in blocks, all CP ranks together (env DEEPINFER_NUM_KV_BLOCKS).")
+@click.option("--moe-capacity", type=int, default=None, help="Tokens one expert takes per prefill chunk.")
+@click.option("--capacity-factor", type=float, default=2.0, show_default=True,
+              help="Capacity = factor * T * top_k / n_experts, when --moe-capacity is not given.")
+@click.option("--moe-decode-path", type=click.Choice(["auto", "dense", "gather"]), default="auto", show_default=True)
+@click.option("--shape-only", is_flag=True, help="Compile from config.json alone (no weights, nothing to run).")
+@click.option("--device-memory", type=float, default=None, help="GiB per rank; refuse layouts that do not fit.")
+@click.option("--neuron-target", type=click.Choice(["trn1", "trn2", "inf2"]), default=None)
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Compile cache (env DEEPINFER_CACHE, default ~/.cache/deepinfer).")
+@click.option("--jobs", type=int, default=None, help="Graphs compiled in parallel (default: CPU count).")
+@click.option("--keep-going", is_flag=True, help="Report every failing graph instead of stopping at the first.")
+@_errors
+def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buckets, context_buckets,
+                 context_limit, block_size, num_kv_blocks, moe_capacity, capacity_factor, moe_decode_path,
+                 shape_only, device_memory, neuron_target, cache_dir, jobs, keep_going):
+    """Trace and compile a DeepSeek-V3 checkpoint's graphs ahead of time into an artifact directory."""
+    from .compile.driver import compile_artifact
+    from .compile.options import DEMO_MODEL, CompileOptions
+    if num_kv_blocks is None:
+        num_kv_blocks = _env_int("DEEPINFER_NUM_KV_BLOCKS")
+    if cache_dir is None and os.environ.get("DEEPINFER_CACHE"):
+        cache_dir = Path(os.environ["DEEPINFER_CACHE"])
+    opts = CompileOptions(
+        model=model if model is not None else DEMO_MODEL, out=out, backend=backend, dtype=dtype, cp=cp, ep=ep,
+        decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, context_buckets=context_buckets or (),
+        context_limit=context_limit, block_size=block_size, num_kv_blocks=num_kv_blocks, moe_capacity=moe_capacity,
+        capacity_factor=capacity_factor, moe_decode_path=moe_decode_path, shape_only=shape_only,
+        device_memory=None if device_memory is None else int(device_memory * (1 << 30)),
+        neuron_target=neuron_target, cache_dir=cache_dir, keep_going=keep_going, jobs=jobs)
+    compile_artifact(opts, log=lambda s: click.echo(s, err=True))
+
+
+# -- deepinfer-run --------------------------------------------------------------------------------------
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifacts", type=click.Path(path_type=Path), default=Path("artifacts"))
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable). Without prompts: serve HTTP.")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt as comma-separated token ids (repeatable).")
+@click.option("--max-tokens", type=int, default=32, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--ignore-eos", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt: token_ids, text, ...")
+@click.option("--verify-only", is_flag=True, help="Check every file and the toolchain against the manifest; exit.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 (env DEEPINFER_API_KEY).")
+@click.option("--max-waiting", type=int, default=256, show_default=True, help="Waiting-queue bound (503 beyond).")
+@_errors
+def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos, as_json,
+             verify_only, device, host, port, api_key, max_waiting):
+    """Load a compiled artifact and generate (--prompt) or serve an OpenAI-compatible /v1/completions."""
+    from .runtime.artifact import open_artifact
+    from .runtime.engine import Engine
+    from .runtime.sequence import SamplingParams
+    timing = os.environ.get("DEEPINFER_REGION_TIMING", "") not in ("", "0")
+    if verify_only:
+        art = open_artifact(artifacts, verify=True)
+        m = art.manifest
+        click.echo(f"ok: {artifacts}: {len(m.graphs)} graphs, {len(m.weights)} weight shard(s), "
+                   f"{len(m.tokenizer)} tokenizer file(s) match the manifest (root hash {m.root_hash[:16]}); "
+                   f"toolchain {m.toolchain.backend} torch {m.toolchain.torch} {m.toolchain.target}")
+        return
+    if not prompts and not prompt_ids:
+        from .runtime.server import serve
+        serve(artifacts, host=host, port=port, api_key=api_key or os.environ.get("DEEPINFER_API_KEY"),
+              device=device, max_waiting=max_waiting, timing=timing)
+        return
+    engine = Engine.from_artifact(artifacts, device=device, timing=timing)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            ignore_eos=ignore_eos)
+    inputs: list[tuple[str | None, list[int]]] = []
+    for p in prompts:
+        if engine.tokenizer is None:
+            from .runtime.tokenizer import no_tokenizer
+            raise no_tokenizer("--prompt")
+        inputs.append((p, engine.tokenizer.encode(p)))
+    for p in prompt_ids:
+        try:
+            inputs.append((None, [int(t) for t in p.split(",") if t.strip()]))
+        except ValueError:
+            raise click.BadParameter(f"{p!r} is not a comma-separated list of token ids",
+                                     param_hint="--prompt-ids") from None
+    seqs = engine.generate([ids for _, ids in inputs], params)
+    for (text, ids), seq in zip(inputs, seqs):
+        out = seq.output_text if engine.tokenizer is not None else None
+        if as_json:
+            click.echo(json.dumps({"prompt": text, "prompt_token_ids": ids, "token_ids": seq.output_ids,
+                                   "text": out, "finish_reason": seq.finish_reason}))
+        else:
+            click.echo(f"{text if text is not None else ids}{out if out is not None else seq.output_ids}")
+            click.echo(f"  [{len(ids)} prompt tokens, {len(seq.output_ids)} generated, finish: {seq.finish_reason}]",
+                       err=True)
+    if engine.runner.timer is not None:
+        click.echo(engine.runner.timer.table(), err=True)
+
+
+# -- deepinfer-inspect ----------------------------------------------------------------------------------
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifacts", type=click.Path(path_type=Path), default=Path("artifacts"))
+@_errors
+def inspect_main(artifacts):
+    """Print an artifact's manifest as tables: layout, buckets, graphs with hashes, per-rank memory plan."""
+    from .runtime.inspect import describe
+    click.echo(describe(artifacts))
+
+
+def bench_main():
+    from .runtime.bench import main
+    main()

@@ -1,0 +1,170 @@
+"""Config parsing, checkpoint validation and the errors that name what is wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deepinfer.common.errors import CheckpointError, ConfigError, OptionError
+from deepinfer.common.model_config import ModelConfig
+from deepinfer.compile.checkpoint import Checkpoint
+from deepinfer.compile.model import rope_inv_freq
+from deepinfer.compile.options import CompileOptions, resolve
+from deepinfer.compile.weights import check_checkpoint
+
+CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "data"
+V3_671B = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000, "num_nextn_predict_layers": 1, "eos_token_id": 1, "bos_token_id": 0,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+
+
+def test_deepseek_v3_671b_config_parses():
+    m = ModelConfig.from_hf_dict(V3_671B)
+    assert m.rope.rope_type == "yarn" and m.rope.factor == 40.0 and m.fp8_block_size == (128, 128)
+    assert m.kv_cache_dim == 576 and m.num_moe_layers == 58
+    active = m.param_counts()["active_per_token"]
+    assert 36e9 < active < 39e9  # DeepSeek-V3: ~37B active parameters
+
+
+def test_rope_matches_transformers():
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+    small = dict(V3_671B, hidden_size=64, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
+                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_hidden_layers=1)
+    small.pop("quantization_config")
+    ours = ModelConfig.from_hf_dict(small)
+    hf_cfg = DeepseekV3Config(**{k: v for k, v in small.items() if k not in ("architectures", "model_type")})
+    rot = DeepseekV3RotaryEmbedding(hf_cfg)
+    assert torch.equal(rope_inv_freq(ours), rot.inv_freq)
+    assert ours.rope_attention_factor == pytest.approx(rot.attention_scaling)
+    assert ours.softmax_scale == pytest.approx(DeepseekV3Attention(hf_cfg, 0).scaling)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "not a DeepSeek-V3-shaped model"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+    ({"n_routed_experts": 250}, "n_routed_experts=250 is not divisible by n_group=8"),
+    ({"topk_group": 9}, "topk_group=9 exceeds n_group=8"),
+    ({"kv_lora_rank": "512"}, "'kv_lora_rank'='512' must be int"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+])
+def test_bad_config_names_the_field(change, message):
+    cfg = dict(V3_671B)
+    cfg.update(change)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_missing_field_is_named():
+    cfg = dict(V3_671B)
+    del cfg["kv_lora_rank"]
+    with pytest.raises(ConfigError, match="missing field 'kv_lora_rank'"):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def _copy(ck: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ck"
+    shutil.copytree(ck, dst)
+    return dst
+
+
+def _edit_tensors(path: Path, fn) -> None:
+    f = path / "model.safetensors"
+    tensors = load_file(f)
+    fn(tensors)
+    save_file(tensors, f)
+
+
+def test_missing_tensor_is_named(checkpoints, tmp_path):
+    ck = _copy(checkpoints["base"], tmp_path)
+    _edit_tensors(ck, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
+    c = Checkpoint(ck)
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"):
+        check_checkpoint(c.config, c)
+
+
+def test_wrong_shape_is_named(checkpoints, tmp_path):
+    ck = _copy(checkpoints["base"], tmp_path)
+    _edit_tensors(ck, lambda t: t.update({"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 60)}))
+    c = Checkpoint(ck)
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.self_attn.o_proj.weight' has shape \(64, 60\)"):
+        c.get("model.layers.0.self_attn.o_proj.weight", (64, 64))
+
+
+def test_unexpected_tensor_is_refused_but_mtp_layer_is_skipped(checkpoints, tmp_path):
+    ck = _copy(checkpoints["base"], tmp_path)
+    _edit_tensors(ck, lambda t: t.update({"model.layers.3.eh_proj.weight": torch.zeros(4, 4)}))   # MTP layer
+    c = Checkpoint(ck)
+    check_checkpoint(c.config, c)
+    assert c.skipped == ["model.layers.3.eh_proj.weight"] and "no MTP lookahead" in c.notes[0]
+    _edit_tensors(ck, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}))
+    c = Checkpoint(ck)
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.self_attn.o_proj.bias'"):
+        check_checkpoint(c.config, c)
+
+
+def test_fp8_block_dequantization(tmp_path):
+    w = torch.randn(200, 300)
+    scale = torch.rand(2, 3) + 0.5
+    q = (w / scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]).to(torch.float8_e4m3fn)
+    cfg = dict(V3_671B, num_hidden_layers=1)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({"x.weight": q, "x.weight_scale_inv": scale}, tmp_path / "model.safetensors")
+    got = Checkpoint(tmp_path).get("x.weight")
+    want = q.float() * scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    save_file({"x.weight": q}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no 'x.weight_scale_inv' block scales"):
+        Checkpoint(tmp_path).get("x.weight")
+
+
+def test_sharded_checkpoint_index(checkpoints, tmp_path):
+    ck = _copy(checkpoints["base"], tmp_path)
+    tensors = load_file(ck / "model.safetensors")
+    names = sorted(tensors)
+    half = len(names) // 2
+    save_file({n: tensors[n] for n in names[:half]}, ck / "model-00001-of-00002.safetensors")
+    save_file({n: tensors[n] for n in names[half:]}, ck / "model-00002-of-00002.safetensors")
+    (ck / "model.safetensors").unlink()
+    wm = {n: ("model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors")
+          for i, n in enumerate(names)}
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    c = Checkpoint(ck)
+    check_checkpoint(c.config, c)
+    assert torch.equal(c.get(names[-1]), tensors[names[-1]])
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(decode_buckets=(1, 256)), "bucket 256 is larger than the context limit 128"),
+    (dict(num_kv_blocks=4), "cannot hold one full-length sequence"),
+    (dict(ep=3), "n_routed_experts=8 is not divisible by --ep=3"),
+    (dict(cp=2, ep=3), "must both divide world"),
+    (dict(context_limit=100), "not a multiple of --block-size=16"),
+    (dict(context_limit=4096), "exceeds the model's max_position_embeddings=512"),
+    (dict(context_buckets=(40,)), "40 is not a multiple of --block-size=16"),
+    (dict(decode_buckets=()), "at least one bucket"),
+    (dict(moe_capacity=0), "--moe-capacity=0"),
+])
+def test_bad_options_are_refused(checkpoints, kw, message):
+    m = ModelConfig.from_file(checkpoints["base"] / "config.json")
+    opts = dict(model=checkpoints["base"], out=Path("unused"), context_limit=128)
+    opts.update(kw)
+    with pytest.raises(OptionError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        resolve(CompileOptions(**opts), m)

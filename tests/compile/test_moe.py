@@ -1,0 +1,92 @@
+"""The MoE paths: capacity-grouped == dense when nothing overflows; overflow is flagged and rerun densely."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import hf_greedy, hf_logits, hf_model
+from deepinfer.common.model_config import ModelConfig
+from deepinfer.compile.model import RegionSpec, experts_capacity, experts_dense, experts_gather, route
+from deepinfer.runtime.artifact import open_artifact
+from deepinfer.runtime.engine import Engine, make_runner
+from deepinfer.runtime.sequence import SamplingParams
+from stepper import Stepper, rel_err
+
+
+def _setup(checkpoints, T=24, seed=0):
+    m = ModelConfig.from_file(checkpoints["base"] / "config.json")
+    g = torch.Generator().manual_seed(seed)
+    E, D, I = m.n_routed_experts, m.hidden_size, m.moe_intermediate_size
+    w = {"moe.router_weight": torch.randn(E, D, generator=g) * 0.3,
+         "moe.router_bias": torch.randn(E, generator=g) * 0.05,
+         "moe.experts_gate_up": torch.randn(E, 2 * I, D, generator=g) * 0.1,
+         "moe.experts_down": torch.randn(E, D, I, generator=g) * 0.1,
+         "rank.expert_ids": torch.arange(E)}
+    x = torch.randn(T, D, generator=g)
+    return m, w, x
+
+
+def _spec(m, T, capacity):
+    return RegionSpec(m, "moe_layer", "prefill", T, 0, 16, capacity=capacity)
+
+
+def test_capacity_equals_dense_without_overflow(checkpoints):
+    m, w, x = _setup(checkpoints)
+    T, K = x.shape[0], m.num_experts_per_tok
+    ids, weights = route(m, x, w)
+    dense = experts_dense(_spec(m, T, 0), x, ids, weights, w)
+    cap, overflow = experts_capacity(_spec(m, T, T * K), x, ids, weights, w)
+    assert not bool(overflow)
+    torch.testing.assert_close(cap, dense, rtol=1e-5, atol=1e-6)
+    gathered = experts_gather(_spec(m, T, 0), x, ids, weights, w)
+    torch.testing.assert_close(gathered, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_flags_overflow_exactly_when_an_expert_overflows(checkpoints):
+    m, w, x = _setup(checkpoints, seed=1)
+    T = x.shape[0]
+    ids, weights = route(m, x, w)
+    busiest = int(torch.bincount(ids.flatten(), minlength=m.n_routed_experts).max())
+    _, at_max = experts_capacity(_spec(m, T, busiest), x, ids, weights, w)
+    _, below = experts_capacity(_spec(m, T, busiest - 1), x, ids, weights, w)
+    assert not bool(at_max) and bool(below)
+
+
+def test_capacity_keeps_tokens_in_order_and_drops_the_rest(checkpoints):
+    """With capacity C, an expert serves its first C tokens; the result equals the dense path
+    with the dropped (token, expert) pairs given weight zero."""
+    m, w, x = _setup(checkpoints, seed=2)
+    T = x.shape[0]
+    ids, weights = route(m, x, w)
+    cap = 2
+    out, overflow = experts_capacity(_spec(m, T, cap), x, ids, weights, w)
+    assert bool(overflow)
+    kept = weights.clone()
+    seen = {}
+    for t in range(T):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            seen[e] = seen.get(e, 0) + 1
+            if seen[e] > cap:
+                kept[t, k] = 0.0
+    torch.testing.assert_close(out, experts_dense(_spec(m, T, 0), x, ids, kept, w), rtol=1e-5, atol=1e-6)
+
+
+def test_forced_overflow_reruns_dense_and_still_matches(checkpoints, compile_artifact):
+    ck = checkpoints["base"]
+    art = open_artifact(compile_artifact(ck, moe_capacity=1))
+    assert art.manifest.compile.moe_capacity == (1,)
+    runner = make_runner(art, rank=0)
+    hf = hf_model(ck)
+    st = Stepper(runner)
+    prompt = list(range(3, 3 + 60))
+    seq = st.new(prompt)
+    ref = hf_logits(hf, prompt)
+    got = [st.run("prefill", 32, 64, [(seq, 32)])[0], st.run("prefill", 32, 64, [(seq, 28)])[0]]
+    assert runner.overflow_reruns >= 2 * art.manifest.model.num_moe_layers
+    assert rel_err(got[0], ref[31]) < 1e-4 and rel_err(got[1], ref[59]) < 1e-4
+
+    engine = Engine.from_artifact(compile_artifact(ck, moe_capacity=1))
+    out = engine.generate([prompt[:45]], SamplingParams(max_tokens=8, ignore_eos=True))[0].output_ids
+    assert out == hf_greedy(hf, prompt[:45], 8)

@@ -1,0 +1,109 @@
+"""The engine end to end on a compiled artifact: batching, sampling, stopping, validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.common.errors import RequestError
+from deepinfer.runtime.engine import Engine
+from deepinfer.runtime.sequence import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 320, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def artifact(checkpoints, compile_artifact):
+    return compile_artifact(checkpoints["base"])
+
+
+@pytest.fixture(scope="module")
+def engine(artifact):
+    return Engine.from_artifact(artifact)
+
+
+def test_mixed_batch_generates_what_each_gives_alone(engine):
+    # 1 and 3 tokens (shorter than a decode bucket), 20 (between), 70 and 90 (several prefill chunks)
+    ps = prompts([1, 3, 20, 70, 90, 5])
+    alone = [engine.generate([p], GREEDY)[0].output_ids for p in ps]
+    together = [s.output_ids for s in engine.generate(ps, GREEDY)]
+    assert together == alone
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+
+
+def test_preemption_under_a_small_pool_still_finishes_everything(checkpoints, compile_artifact):
+    art = compile_artifact(checkpoints["base"], num_kv_blocks=9)    # 8 blocks hold one full sequence
+    engine = Engine.from_artifact(art)
+    ps = prompts([40, 50, 30, 60], seed=3)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].output_ids for p in ps]
+    seqs = engine.generate(ps, params)
+    assert sum(s.num_preemptions for s in seqs) > 0
+    assert [s.output_ids for s in seqs] == alone
+    assert engine.scheduler.blocks.num_free == 9
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    p = prompts([10, 12], seed=5)
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a = engine.generate([p[0]], params)[0].output_ids
+    b = engine.generate(p, params)[0].output_ids
+    c = engine.generate([p[0]], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=99,
+                                               ignore_eos=True))[0].output_ids
+    assert a == b and a != c
+
+
+def test_top_k_1_is_greedy(engine):
+    p = prompts([9], seed=7)[0]
+    greedy = engine.generate([p], GREEDY)[0].output_ids
+    topk = engine.generate([p], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=0,
+                                               ignore_eos=True))[0].output_ids
+    assert topk == greedy
+
+
+def test_eos_and_stop_strings_finish_a_sequence(engine):
+    p = prompts([8], seed=11)[0]
+    full = engine.generate([p], GREEDY)[0]
+    eos = full.output_ids[3]
+    saved, engine.eos_ids = engine.eos_ids, {eos}
+    try:
+        stopped = engine.generate([p], SamplingParams(max_tokens=12))[0]
+    finally:
+        engine.eos_ids = saved
+    assert stopped.output_ids == full.output_ids[: full.output_ids.index(eos) + 1]
+    assert stopped.finish_reason == "stop"
+    text = full.output_text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    if stop and stop in text:
+        s = engine.generate([p], SamplingParams(max_tokens=12, stop=(stop,), ignore_eos=True))[0]
+        assert s.finish_reason == "stop" and s.output_text == text[: text.index(stop)]
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ([], GREEDY, "empty"),
+    ([5, 320], GREEDY, "token id 320 is outside the vocabulary"),
+    ([5, -1], GREEDY, "token id -1"),
+    ([5] * 100, SamplingParams(max_tokens=29), "exceeds the compiled context limit 128"),
+    ([5], SamplingParams(max_tokens=0), "max_tokens=0"),
+    ([5], SamplingParams(top_p=0.0), "top_p=0.0"),
+    ([5], SamplingParams(temperature=-1.0), "temperature=-1.0"),
+])
+def test_bad_requests_are_refused_and_lose_nothing(engine, prompt, params, message):
+    with pytest.raises(RequestError, match=message):
+        engine.add_request(prompt, params)
+    assert not engine.has_work
+    assert engine.generate([[4, 5, 6]], GREEDY)[0].finish_reason == "length"
+
+
+def test_abort_frees_blocks(engine):
+    s = engine.add_request(prompts([50])[0], SamplingParams(max_tokens=20))
+    engine.step()
+    engine.step()
+    assert engine.scheduler.blocks.num_used > 0
+    engine.abort(s)
+    assert engine.scheduler.blocks.num_used == 0 and not engine.has_work and s.finish_reason == "abort"
