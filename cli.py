@@ -85,10 +85,14 @@ def _env_int(name: str) -> int | None:
               help="Compile cache (env DEEPINFER_CACHE, default ~/.cache/deepinfer).")
 @click.option("--jobs", type=int, default=None, help="Graphs compiled in parallel (default: CPU count).")
 @click.option("--keep-going", is_flag=True, help="Report every failing graph instead of stopping at the first.")
+@click.option("--check-lock", type=click.Path(path_type=Path), default=None,
+              help="Compare the artifact's graph and weight hashes with this lock file; exit 1 on any difference.")
+@click.option("--update-lock", type=click.Path(path_type=Path), default=None,
+              help="Write this configuration's hashes into the lock file (a deliberate acceptance).")
 @_errors
 def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buckets, context_buckets,
                  context_limit, block_size, num_kv_blocks, moe_capacity, capacity_factor, moe_decode_path,
-                 shape_only, device_memory, neuron_target, cache_dir, jobs, keep_going):
+                 shape_only, device_memory, neuron_target, cache_dir, jobs, keep_going, check_lock, update_lock):
     """Trace and compile a DeepSeek-V3 checkpoint's graphs ahead of time into an artifact directory."""
     from .compile.driver import compile_artifact
     from .compile.options import DEMO_MODEL, CompileOptions
@@ -103,7 +107,22 @@ def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buc
         capacity_factor=capacity_factor, moe_decode_path=moe_decode_path, shape_only=shape_only,
         device_memory=None if device_memory is None else int(device_memory * (1 << 30)),
         neuron_target=neuron_target, cache_dir=cache_dir, keep_going=keep_going, jobs=jobs)
-    compile_artifact(opts, log=lambda s: click.echo(s, err=True))
+    report = compile_artifact(opts, log=lambda s: click.echo(s, err=True))
+    if update_lock is not None:
+        from .compile.lock import update_lock as write_lock
+        key = write_lock(report.manifest, update_lock)
+        click.echo(f"lock {update_lock}: wrote [{key}]", err=True)
+    if check_lock is not None:
+        from .compile.lock import check_lock as diff_lock
+        from .compile.lock import lock_key
+        diff = diff_lock(report.manifest, check_lock)
+        if diff:
+            click.echo(f"lock check FAILED against {check_lock} [{lock_key(report.manifest)}]:", err=True)
+            for line in diff:
+                click.echo(f"  {line}", err=True)
+            sys.exit(1)
+        click.echo(f"lock check ok: {len(report.manifest.graphs)} graphs and {len(report.manifest.weights)} "
+                   f"weight shard(s) match {check_lock}", err=True)
 
 
 # -- deepinfer-run --------------------------------------------------------------------------------------
