@@ -149,6 +149,12 @@ class Engine:
                     reason = "stop"
             if reason is None and (len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= limit):
                 reason = "length"
+            if reason is not None and det is not None and not (reason == "stop" and seq.params.stop and
+                                                               tok not in self.eos_ids):
+                # Flush what the incremental decoder held back (an incomplete UTF-8 tail decodes as U+FFFD).
+                full = det.flush()
+                text += full[len(seq.output_text):]
+                seq.output_text = full
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._detok.pop(seq.seq_id, None)

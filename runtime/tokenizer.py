@@ -58,6 +58,10 @@ class IncrementalDetokenizer:
         self.text = full
         return new
 
+    def flush(self) -> str:
+        self.text = self.tok.decode(self.ids)
+        return self.text
+
 
 def no_tokenizer(what: str) -> RequestError:
     return RequestError(f"{what} needs a tokenizer, and this artifact has none (its checkpoint had no "

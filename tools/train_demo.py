@@ -649,7 +649,8 @@ def render_report(args, corpus_info, docs, train_docs, held_docs, train_stream, 
     L.append("| step | train loss | lr | maxvio (layers 1-3) | held-out loss (ppl) |\n|---|---|---|---|---|")
     ev = {e["step"]: e for e in evals}
     for r in curve:
-        if r["step"] % (4 * args.log_every) == 0 or r["step"] == args.log_every or r["step"] == args.steps:
+        if (r["step"] % (4 * args.log_every) == 0 or r["step"] in ev or r["step"] == args.log_every
+                or r["step"] == args.steps):
             e = ev.get(r["step"])
             held = "" if e is None else f"{e['heldout_loss']:.3f} ({e['heldout_ppl']:.1f})"
             vio = " ".join(f"{v:.2f}" for v in r["max_violation"])
@@ -667,15 +668,18 @@ def render_report(args, corpus_info, docs, train_docs, held_docs, train_stream, 
     L.append(f"Greedy continuations (`generate(do_sample=False, max_new_tokens={args.gen_tokens})`, stops at "
              f"`<|eos|>`) of held-out prompts:\n")
     for g in generations[:3]:
-        L.append(f"* **{g['prompt']}** → {json.dumps(g['text'], ensure_ascii=False)}")
+        L.append(f"Prompt `{g['prompt']}` ({len(g['generated_ids'])} new tokens; prompt + continuation):\n")
+        L.append("```text\n" + g["prompt"] + g["text"] + "\n```\n")
     L.append(f"\nCorpus-word fraction: over the first {min(10, len(generations))} prompts of "
              f"`heldout_prompts.json`, {n_in} of {n_words} whitespace-separated generated words "
              f"(= {word_frac:.1%}) are in `{words_file}` (the sorted set of whitespace-separated words of the "
              f"training split, punctuation attached as in the text). Words not found: "
              f"{sorted({w for g in generations[:10] for w in g['non_corpus_words']})}. "
-             f"All continuations are in `reference_generations.json`.\n")
+             f"All continuations (with token ids) are in `reference_generations.json`. Note: generation must "
+             f"stop at `<|eos|>`; a decoder that runs on past it and drops special tokens glues the next "
+             f"document onto the last word (e.g. `node.Return`), which costs a few percent.\n")
     L.append("## Files\n")
-    L += [f"* `{n}`: {s} bytes" for n, s in files.items()]
+    L += [f"* `{n}`: {s} bytes" for n, s in files.items() if n != "TRAINING.md"]
     L.append("")
     return "\n".join(L)
 

@@ -1,0 +1,164 @@
+"""The engine on its own thread, fed by the HTTP handlers: submit, stream events back, abort.
+
+One thread owns the Engine (and so the scheduler, KV pool and graphs); handlers only exchange
+messages with it. A request that fails validation is refused before it reaches the scheduler, and an
+exception inside a step fails the requests of that step, never the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..common.errors import CapacityError, DeepinferError
+from .engine import Engine
+from .sequence import SamplingParams, Sequence
+
+log = logging.getLogger("deepinfer.engine")
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str                  # the sequence's whole output text so far (stop strings already cut)
+    logprob: float
+    top_logprobs: dict[int, float]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Stream:
+    seq: Sequence
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def push(self, ev: TokenEvent | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, on_step=None, on_abort=None):
+        self.engine = engine
+        self.on_step = on_step            # metrics hooks, called on the engine thread
+        self.on_abort = on_abort
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[int, Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
+        self.error: BaseException | None = None
+        self._pending_lock = threading.Lock()
+        self.num_pending = 0              # submitted, not yet handed to the scheduler
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None, None))
+        self._thread.join(timeout)
+
+    # -- called from the event loop --------------------------------------------------------------
+    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
+        """Validate here (RequestError -> 400), queue for the engine thread; CapacityError -> 503."""
+        self.engine.validate(prompt_ids, params)
+        if not self.alive:
+            raise CapacityError("the engine is not running")
+        limit = self.engine.scheduler.cfg.max_waiting
+        with self._pending_lock:
+            if self.num_pending + len(self.engine.scheduler.waiting) >= limit:
+                raise CapacityError(f"the waiting queue is full ({limit} requests); retry later")
+            self.num_pending += 1
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._inbox.put(("add", (prompt_ids, params, asyncio.get_running_loop()), fut))
+        return await fut
+
+    def abort(self, stream: Stream) -> None:
+        self._inbox.put(("abort", stream, None))
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_work)
+                if self.engine.has_work:
+                    self._step()
+        except BaseException as e:  # the loop itself broke: fail everyone, then report
+            self.error = e
+            log.exception("engine loop failed")
+            for s in list(self._streams.values()):
+                s.push(e)
+            self._streams.clear()
+        finally:
+            for s in list(self._streams.values()):
+                self.engine.abort(s.seq)
+                s.push(CapacityError("the server is shutting down"))
+            self._streams.clear()
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                kind, arg, fut = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                prompt_ids, params, loop = arg
+                with self._pending_lock:
+                    self.num_pending -= 1
+                try:
+                    seq = self.engine.add_request(prompt_ids, params)
+                except DeepinferError as e:
+                    loop.call_soon_threadsafe(_resolve, fut, None, e)
+                    continue
+                stream = Stream(seq, loop)
+                self._streams[seq.seq_id] = stream
+                loop.call_soon_threadsafe(_resolve, fut, stream, None)
+            elif kind == "abort":
+                stream = arg
+                if self._streams.pop(stream.seq.seq_id, None) is not None:
+                    self.engine.abort(stream.seq)
+                    if self.on_abort is not None:
+                        self.on_abort(stream.seq)
+
+    def _step(self) -> None:
+        t = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a failed step fails the requests it held, not the server
+            log.exception("engine step failed")
+            for s in list(self._streams.values()):
+                if s.seq in self.engine.scheduler.running:
+                    self.engine.abort(s.seq)
+                    s.push(e)
+                    del self._streams[s.seq.seq_id]
+            return
+        for out in outputs:
+            s = self._streams.get(out.seq.seq_id)
+            if s is None:
+                continue
+            seq = out.seq
+            s.push(TokenEvent(token_id=out.new_token_ids[-1], text=seq.output_text,
+                              logprob=seq.token_logprobs[-1], top_logprobs=seq.output_logprobs[-1],
+                              finished=out.finished, finish_reason=seq.finish_reason))
+            if out.finished:
+                del self._streams[seq.seq_id]
+        if self.on_step is not None:
+            self.on_step(self.engine, outputs, time.perf_counter() - t)
+
+
+def _resolve(fut: asyncio.Future, value, error) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)

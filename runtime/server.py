@@ -1,0 +1,322 @@
+"""OpenAI-compatible HTTP server: /v1/completions (streaming or not), /v1/models, /health, /metrics,
+/tokenize, /detokenize. Bad requests get OpenAI-shaped 4xx bodies and never disturb other requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from ..common.errors import CapacityError, RequestError
+from .engine import Engine
+from .engine_loop import EngineLoop, Stream, TokenEvent
+from .metrics import Metrics
+from .protocol import CompletionRequest, error_body, new_id, now
+from .sequence import SamplingParams
+from .tokenizer import Tokenizer, no_tokenizer
+
+log = logging.getLogger("deepinfer.server")
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+def _err(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, status, param), status_code=status)
+
+
+def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str | None = None) -> FastAPI:
+    engine: Engine = loop.engine
+    tok: Tokenizer | None = engine.tokenizer
+    limit = engine.manifest.compile.context_limit
+    vocab = engine.manifest.model.vocab_size
+    app = FastAPI(title="deepinfer", version="0.1.0")
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            if not secrets.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+                metrics.rejected.labels("401").inc()
+                return _err(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                            "authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(RequestError)
+    async def _bad(request, exc: RequestError):
+        metrics.rejected.labels("400").inc()
+        return _err(400, str(exc))
+
+    @app.exception_handler(CapacityError)
+    async def _busy(request, exc: CapacityError):
+        metrics.rejected.labels("503").inc()
+        return _err(503, str(exc), "server_overloaded")
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return _err(503, f"engine stopped: {loop.error!r}", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": now(), "owned_by": "deepinfer", "root": model_name,
+                "parent": None, "max_model_len": limit}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _json(request)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or set(body) - {"prompt", "model", "add_special_tokens"}:
+            raise RequestError("/tokenize takes {'prompt': <string>} (optionally 'model')")
+        if tok is None:
+            raise no_tokenizer("/tokenize")
+        ids = tok.encode(prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": limit}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _json(request)
+        ids = body.get("tokens")
+        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)) or \
+                set(body) - {"tokens", "model"}:
+            raise RequestError("/detokenize takes {'tokens': [<int>, ...]} (optionally 'model')")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if tok is None:
+            raise no_tokenizer("/detokenize")
+        return {"prompt": tok.decode(ids)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _json(request)
+        try:
+            req = CompletionRequest.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            field = first["loc"][0] if first["loc"] else "body"
+            raise RequestError(f"field '{field}': {first['msg']}") from None
+        prompts, texts = _prompts(req, tok)
+        params = _sampling(req, prompts, limit)
+        streams: list[Stream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                for j in range(req.n):
+                    p = params if req.seed is None or req.n == 1 else _with_seed(params, req.seed + j)
+                    streams.append(await loop.submit(ids, p))
+        except BaseException:
+            for s in streams:
+                loop.abort(s)
+            raise
+        for ids in prompts:
+            metrics.prompt_tokens.inc(len(ids))
+        rid = new_id()
+        if req.stream:
+            return StreamingResponse(_sse(rid, req, streams, prompts, texts), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _complete(request, rid, req, streams, prompts, texts)
+
+    # -- helpers --------------------------------------------------------------------------------
+    async def _json(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
+
+    def _prompts(req: CompletionRequest, tok) -> tuple[list[list[int]], list[str | None]]:
+        p = req.prompt
+        items = [p] if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)) else p
+        if not items:
+            raise RequestError("field 'prompt': the prompt list is empty")
+        ids, texts = [], []
+        for it in items:
+            if isinstance(it, str):
+                if not it:
+                    raise RequestError("field 'prompt': the prompt is empty")
+                if tok is None:
+                    raise no_tokenizer("a text prompt")
+                ids.append(tok.encode(it))
+                texts.append(it)
+            else:
+                ids.append(list(it))
+                texts.append(None)
+        return ids, texts
+
+    def _sampling(req: CompletionRequest, prompts: list[list[int]], limit: int) -> SamplingParams:
+        if req.model is not None and req.model != model_name:
+            raise RequestError(f"model '{req.model}' is not served here (this server serves '{model_name}')")
+        for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            if getattr(req, name) != neutral:
+                raise RequestError(f"field '{name}'={getattr(req, name)} is not supported (only {neutral})")
+        if not 1 <= req.n <= MAX_N:
+            raise RequestError(f"field 'n'={req.n} must be between 1 and {MAX_N}")
+        if req.best_of is not None and req.best_of != req.n:
+            raise RequestError(f"field 'best_of'={req.best_of} is not supported (only equal to n)")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"field 'logprobs'={req.logprobs} must be between 0 and {MAX_LOGPROBS}")
+        if req.echo and req.logprobs is not None:
+            raise RequestError("echo together with logprobs (prompt logprobs) is not supported")
+        if req.top_k < -1:
+            raise RequestError(f"field 'top_k'={req.top_k} must be -1 (off) or positive")
+        if req.n > 1 and req.temperature == 0:
+            raise RequestError("n > 1 with temperature 0 would return identical choices; use a temperature > 0")
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = limit - max(len(p) for p in prompts)
+        if max_tokens < 1:
+            raise RequestError(f"field 'max_tokens'={max_tokens} must be at least 1")
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if any(s == "" for s in stop):
+            raise RequestError("field 'stop': stop strings must not be empty")
+        return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
+                              top_k=max(0, req.top_k), seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
+                              logprobs=req.logprobs)
+
+    def _logprobs_block(events: list[TokenEvent], offset0: int) -> dict:
+        tokens, lps, tops, offs = [], [], [], []
+        off = offset0
+        for ev in events:
+            s = tok.token_str(ev.token_id) if tok is not None else str(ev.token_id)
+            tokens.append(s)
+            lps.append(ev.logprob)
+            tops.append({(tok.token_str(t) if tok else str(t)): v for t, v in ev.top_logprobs.items()})
+            offs.append(off)
+            off += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    def _usage(prompts, streams, n) -> dict:
+        p = sum(len(x) for x in prompts)
+        c = sum(len(s.seq.output_ids) for s in streams)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def _complete(request, rid, req, streams, prompts, texts):
+        watcher = asyncio.create_task(_watch_disconnect(request, streams))
+        try:
+            results = await asyncio.gather(*(_collect(s) for s in streams))
+        finally:
+            watcher.cancel()
+        choices = []
+        for idx, (s, events) in enumerate(zip(streams, results)):
+            last = events[-1] if events else None
+            text = last.text if last else ""
+            prefix = (texts[idx // req.n] or (tok.decode(prompts[idx // req.n]) if tok else "")) if req.echo else ""
+            choices.append({"index": idx, "text": prefix + text,
+                            "logprobs": _logprobs_block(events, len(prefix)) if req.logprobs is not None else None,
+                            "finish_reason": last.finish_reason if last else "abort"})
+        return {"id": rid, "object": "text_completion", "created": now(), "model": model_name, "choices": choices,
+                "usage": _usage(prompts, streams, req.n)}
+
+    async def _collect(s: Stream) -> list[TokenEvent]:
+        events = []
+        while True:
+            ev = await s.events.get()
+            if isinstance(ev, BaseException):
+                raise ev if isinstance(ev, (RequestError, CapacityError)) else CapacityError(f"generation failed: {ev}")
+            events.append(ev)
+            if ev.finished:
+                return events
+
+    async def _watch_disconnect(request: Request, streams: list[Stream]):
+        while True:
+            await asyncio.sleep(0.25)
+            if await request.is_disconnected():
+                for s in streams:
+                    loop.abort(s)
+                return
+
+    async def _sse(rid, req, streams, prompts, texts):
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def forward(i: int, s: Stream):
+            while True:
+                ev = await s.events.get()
+                await merged.put((i, ev))
+                if isinstance(ev, BaseException) or ev.finished:
+                    return
+
+        tasks = [asyncio.create_task(forward(i, s)) for i, s in enumerate(streams)]
+        holdback = max((len(x) for x in (_stops(req))), default=1) - 1
+        sent = [0] * len(streams)
+        emitted = [0] * len(streams)
+        created = now()
+        remaining = len(streams)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(i: int, text: str, finish: str | None, lp: dict | None) -> str:
+            return "data: " + json.dumps({"id": rid, "object": "text_completion", "created": created,
+                                          "model": model_name,
+                                          "choices": [{"index": i, "text": text, "logprobs": lp,
+                                                       "finish_reason": finish}]}) + "\n\n"
+        try:
+            if req.echo:
+                for i in range(len(streams)):
+                    yield chunk(i, texts[i // req.n] or (tok.decode(prompts[i // req.n]) if tok else ""), None, None)
+            while remaining:
+                i, ev = await merged.get()
+                if isinstance(ev, BaseException):
+                    yield "data: " + json.dumps(error_body(f"generation failed: {ev}", "server_error", 500)) + "\n\n"
+                    remaining -= 1
+                    continue
+                end = len(ev.text) if ev.finished else max(sent[i], len(ev.text) - holdback)
+                delta = ev.text[sent[i]:end]
+                sent[i] = end
+                lp = _logprobs_block([ev], emitted[i]) if req.logprobs is not None else None
+                emitted[i] += len(delta)
+                yield chunk(i, delta, ev.finish_reason if ev.finished else None, lp)
+                if ev.finished:
+                    remaining -= 1
+            if include_usage:
+                yield "data: " + json.dumps({"id": rid, "object": "text_completion", "created": created,
+                                             "model": model_name, "choices": [],
+                                             "usage": _usage(prompts, streams, req.n)}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:   # also on client disconnect (the generator is closed): free the sequences' KV blocks
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                loop.abort(s)
+
+    def _stops(req) -> list[str]:
+        return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+    return app
+
+
+def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
+    import dataclasses
+    return dataclasses.replace(p, seed=seed)
+
+
+def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          device: str = "cpu", max_waiting: int = 256, timing: bool = False) -> None:
+    import uvicorn
+    engine = Engine.from_artifact(artifacts, device=device, timing=timing, max_waiting=max_waiting)
+    metrics = Metrics(engine.manifest.compile.num_kv_blocks)
+    loop = EngineLoop(engine, on_step=metrics.on_step, on_abort=metrics.on_abort)
+    loop.start()
+    app = build_app(loop, engine.manifest.name, metrics, api_key)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("serving %s (%s) on http://%s:%d%s", engine.manifest.name, artifacts, host, port,
+             " (API key required on /v1)" if api_key else "")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    finally:
+        loop.stop()
+        if engine.runner.timer is not None:
+            print(engine.runner.timer.table())

@@ -1,0 +1,175 @@
+"""The real server on a free local port, driven over HTTP: the openai client, raw SSE, errors, load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, compile_artifact):
+    art = compile_artifact(checkpoints["base"])
+    port = free_port()
+    env = {**os.environ, "DEEPINFER_API_KEY": API_KEY, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", "from deepinfer.cli import run_main; run_main()", str(art),
+                             "--port", str(port), "--max-waiting", "64"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read())
+    else:
+        proc.kill()
+        raise RuntimeError("server did not start")
+    yield {"base": base, "art": art, "proc": proc}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def post(server, body, path="/v1/completions", key=API_KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server["base"] + path, json=body, headers=headers, timeout=120, **kw)
+
+
+def offline_ids(art, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    args = [sys.executable, "-c", "from deepinfer.cli import run_main; run_main()", str(art), "--json",
+            "--max-tokens", str(max_tokens), "--ignore-eos"]
+    for p in prompt_ids:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    return [json.loads(line)["token_ids"] for line in out.splitlines()]
+
+
+def test_openai_client_non_streaming_and_streaming(server):
+    from openai import OpenAI
+    client = OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY)
+    model = client.models.list().data[0].id
+    r = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="Hello", max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        if c.choices)
+    assert text == r.choices[0].text
+
+
+def test_sse_framing_and_usage_chunk(server):
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    token_chunks = [c for c in chunks if c["choices"]]
+    assert len(token_chunks) == 6                      # one chunk per generated token
+    assert [c["choices"][0]["finish_reason"] for c in token_chunks] == [None] * 5 + ["length"]
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 6,
+                                                         "total_tokens": 9}
+
+
+def test_served_greedy_equals_offline_run_also_under_32_concurrent(server):
+    prompts = [[(7 * i + j) % 300 + 2 for j in range(3 + i % 40)] for i in range(32)]
+    want = offline_ids(server["art"], prompts, 10)
+
+    def one(p):
+        r = post(server, {"prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"], choice["logprobs"]["tokens"]
+
+    with ThreadPoolExecutor(32) as pool:
+        served = list(pool.map(one, prompts))
+    for ids, (text, tokens) in zip(want, served):
+        assert len(tokens) == len(ids) == 10
+        assert text == post(server, {"tokens": ids}, path="/detokenize").json()["prompt"]
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "10"}, "max_tokens"),
+    ({"prompt": "x", "bogus": 1}, "bogus"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 2, 99999]}, "outside the vocabulary"),
+    ({"prompt": [1] * 120, "max_tokens": 20}, "context limit"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "n": 0}, "'n'"),
+    ({"prompt": "x", "model": "other"}, "not served"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"max_tokens": 5}, "prompt"),
+])
+def test_bad_requests_get_openai_errors(server, body, fragment):
+    r = post(server, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_malformed_json_auth_and_models(server):
+    r = httpx.post(server["base"] + "/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert post(server, {"prompt": "x"}, key=None).status_code == 401
+    assert post(server, {"prompt": "x"}, key="wrong").status_code == 401
+    assert httpx.get(server["base"] + "/health").status_code == 200          # not under /v1: no key
+    models = httpx.get(server["base"] + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert models["data"][0]["id"] == models["data"][0]["root"]
+    t = post(server, {"prompt": "Hello"}, path="/tokenize").json()
+    assert t["count"] == len(t["tokens"]) and post(server, {"tokens": t["tokens"]}, path="/detokenize").json()[
+        "prompt"] == "Hello"
+
+
+def test_load_then_no_leaked_blocks(server):
+    def one(i):
+        r = post(server, {"prompt": [2 + i % 50, 3, 4], "max_tokens": 4 + i % 5, "temperature": 0.7, "seed": i})
+        return r.status_code
+
+    with ThreadPoolExecutor(32) as pool:
+        codes = list(pool.map(one, range(200)))
+    assert codes.count(200) + codes.count(503) == 200 and codes.count(200) > 0
+    metrics = httpx.get(server["base"] + "/metrics").text
+    assert "deepinfer_kv_blocks_used 0.0" in metrics
+    assert "deepinfer_requests_running 0.0" in metrics
+
+
+def test_disconnect_aborts_and_frees_blocks(server):
+    body = {"prompt": [5, 6, 7], "max_tokens": 100, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:
+        for _ in r.iter_lines():
+            break
+    time.sleep(1.5)
+    assert post(server, {"prompt": [3], "max_tokens": 2}).status_code == 200
+    metrics = httpx.get(server["base"] + "/metrics").text
+    assert "deepinfer_kv_blocks_used 0.0" in metrics
+    assert 'deepinfer_requests_finished_total{reason="abort"} 1.0' in metrics
