@@ -178,7 +178,10 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
         except ValueError:
             raise click.BadParameter(f"{p!r} is not a comma-separated list of token ids",
                                      param_hint="--prompt-ids") from None
-    seqs = engine.generate([ids for _, ids in inputs], params)
+    try:
+        seqs = engine.generate([ids for _, ids in inputs], params)
+    finally:
+        engine.close()
     for (text, ids), seq in zip(inputs, seqs):
         out = seq.output_text if engine.tokenizer is not None else None
         if as_json:

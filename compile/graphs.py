@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..common.manifest import (DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER, PREFILL, CompileConfig,
                                TensorSpec, WeightArg, graph_name)
 from ..common.model_config import ModelConfig
-from .model import REGION_FUNCS, SINGLE_RANK, Comm, RegionSpec
+from .model import REGION_FUNCS, RegionSpec, comm_for
 from .weights import DTYPES, region_weight_keys, weight_source
 
 
@@ -33,7 +34,7 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
     def add(region: str, kind: str, tokens: int, context: int = 0, capacity: int = 0):
         name = graph_name(region, kind, tokens, context)
         specs.setdefault(name, RegionSpec(m, region, kind, tokens, context, cc.block_size, cc.cp, cc.ep,
-                                          capacity, cc.moe_decode_path))
+                                          cc.world, capacity, cc.moe_decode_path))
 
     layers = ([DENSE_LAYER] if m.num_moe_layers < m.num_hidden_layers else []) + ([MOE_LAYER] if m.num_moe_layers else [])
     for T in cc.decode_buckets:
@@ -75,7 +76,7 @@ def _plan(name: str, spec: RegionSpec, cc: CompileConfig) -> GraphPlan:
                   TensorSpec("slot_mapping", (T,), i64), TensorSpec("block_tables", (spec.rows, B), i64),
                   TensorSpec("kv_cache", (cc.kv_blocks_per_rank + 1, cc.block_size, m.kv_cache_dim), dt)]
         outputs = ("hidden", "h_mid", "overflow") if spec.region == MOE_LAYER and spec.kind == PREFILL else ("hidden",)
-    keys = region_weight_keys(m, spec.region, cc.cp)
+    keys = region_weight_keys(m, spec.region, cc.cp, cc.ep, cc.world)
     shapes = _weight_shapes(m, cc)
     return GraphPlan(
         name=name, spec=spec, inputs=tuple(inputs),
@@ -94,6 +95,7 @@ def _weight_shapes(m: ModelConfig, cc: CompileConfig) -> dict[str, tuple[tuple[i
     s = {
         "embed": ((m.vocab_size, D), dt), "norm": ((D,), dt), "lm_head": ((m.vocab_size, D), dt),
         "rope.inv_freq": ((dr // 2,), "float32"), "rank.expert_ids": ((E,), "int64"), "rank.cp_rank": ((), "int64"),
+        "rank.ep_weight": ((), "float32"),
         "input_layernorm": ((D,), dt), "post_attention_layernorm": ((D,), dt),
         "attn.q_proj": ((H * (dn + dr), D), dt),
         "attn.kv_a_proj_with_mqa": ((kvr + dr, D), dt), "attn.kv_a_layernorm": ((kvr,), dt),
@@ -113,10 +115,10 @@ def _weight_shapes(m: ModelConfig, cc: CompileConfig) -> dict[str, tuple[tuple[i
 class RegionModule(torch.nn.Module):
     """A region as an nn.Module for torch.export: step tensors positionally, weights as one dict."""
 
-    def __init__(self, spec: RegionSpec, comm: Comm = SINGLE_RANK):
+    def __init__(self, spec: RegionSpec):
         super().__init__()
         self.spec = spec
-        self.comm = comm
+        self.comm = comm_for(spec)
         self.fn = REGION_FUNCS[spec.region]
 
     def forward(self, *args):
@@ -138,11 +140,32 @@ def example_inputs(plan: GraphPlan, device: str = "cpu") -> tuple:
     return (*step, weights)
 
 
-def export_graph(plan: GraphPlan, comm: Comm = SINGLE_RANK) -> tuple[torch.export.ExportedProgram, bytes]:
+@contextlib.contextmanager
+def traced_world(world: int):
+    """Collectives are traced against a fake process group of the layout's world size (no peers needed).
+    The default group is named '0' here and in every real run, which is the name the graphs bake in."""
+    import torch.distributed as dist
+    if world == 1:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        if dist.get_world_size() == world and dist.get_backend() == "fake":
+            yield
+            return
+        raise RuntimeError("a real process group is initialized in the compiling process")
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def export_graph(plan: GraphPlan) -> tuple[torch.export.ExportedProgram, bytes]:
     """Trace one region at one bucket with fake tensors. -> (program, canonical serialized bytes)."""
-    with FakeTensorMode(allow_non_fake_inputs=False):
+    with traced_world(plan.spec.world), FakeTensorMode(allow_non_fake_inputs=False):
         args = example_inputs(plan)
-        ep = torch.export.export(RegionModule(plan.spec, comm), args, strict=False)
+        ep = torch.export.export(RegionModule(plan.spec), args, strict=False)
     # Fake example inputs do not serialize portably (the manifest records the shapes instead); AOTInductor
     # still needs them, so they are put back after saving.
     example, ep._example_inputs = ep._example_inputs, None

@@ -35,6 +35,7 @@ class RegionSpec:
     block_size: int
     cp: int = 1
     ep: int = 1
+    world: int = 1
     capacity: int = 0          # prefill MoE: tokens one local expert takes at most
     moe_decode_path: str = "dense"
 
@@ -57,7 +58,7 @@ class Comm:
     def cp_all_gather(self, x: torch.Tensor) -> torch.Tensor:      # [..] -> [cp, ..]
         return x.unsqueeze(0)
 
-    def ep_all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+    def ep_all_reduce_sum(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
         return x
 
     def ep_all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +66,40 @@ class Comm:
 
 
 SINGLE_RANK = Comm()
+
+
+class WorldComm(Comm):
+    """Functional collectives over the whole world, traced into the graph (the group is baked in by name:
+    the default group, which every rank creates first, so one graph serves every rank).
+
+    CP and EP groups smaller than the world are served by world collectives too: ranks r and r + cp hold the
+    same KV shard, so the first cp gathered partials are a complete set; for EP only the first EP group's
+    partial sums count (rank.ep_weight is 1 there, 0 elsewhere)."""
+
+    def __init__(self, world: int, cp: int, ep: int):
+        self.world, self.cp, self.ep = world, cp, ep
+
+    def cp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        from torch.distributed import _functional_collectives as funcol
+        g = funcol.all_gather_tensor(x.contiguous(), 0, dist.group.WORLD)
+        return g.view(self.world, *x.shape)[: self.cp]
+
+    def ep_all_reduce_sum(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
+        import torch.distributed as dist
+        from torch.distributed import _functional_collectives as funcol
+        if self.ep < self.world:
+            x = x * w["rank.ep_weight"]
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+    def ep_all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        from torch.distributed import _functional_collectives as funcol
+        return funcol.all_reduce(x, "max", dist.group.WORLD)
+
+
+def comm_for(spec: "RegionSpec") -> Comm:
+    return WorldComm(spec.world, spec.cp, spec.ep) if spec.world > 1 else SINGLE_RANK
 
 
 # -- basic ops ---------------------------------------------------------------------------------
@@ -281,7 +316,7 @@ def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str) ->
         routed = experts_dense(spec, x, ids, weights, w)
     if m.n_shared_experts:
         routed = routed + swiglu(x, w["moe.shared_gate_up"], w["moe.shared_down"]).float()
-    out = comm.ep_all_reduce_sum(routed)
+    out = comm.ep_all_reduce_sum(routed, w) if spec.ep > 1 else routed
     if path == "capacity" and spec.ep > 1:
         overflow = comm.ep_all_reduce_max(overflow.to(torch.int32)) > 0
     return out.to(x.dtype), overflow

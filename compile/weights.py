@@ -22,7 +22,7 @@ from .checkpoint import Checkpoint
 from .model import rope_inv_freq
 
 LAYER_PREFIX = "layers.{layer}."
-GLOBAL_KEYS = ("embed", "norm", "lm_head", "rope.inv_freq", "rank.expert_ids", "rank.cp_rank")
+GLOBAL_KEYS = ("embed", "norm", "lm_head", "rope.inv_freq", "rank.expert_ids", "rank.cp_rank", "rank.ep_weight")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int64": torch.int64, "int32": torch.int32}
@@ -37,12 +37,13 @@ def attn_keys(m: ModelConfig, cp: int) -> list[str]:
     return keys + (["rank.cp_rank"] if cp > 1 else [])
 
 
-def moe_keys(m: ModelConfig) -> list[str]:
+def moe_keys(m: ModelConfig, ep: int, world: int) -> list[str]:
     keys = ["moe.router_weight", "moe.router_bias", "moe.experts_gate_up", "moe.experts_down", "rank.expert_ids"]
-    return keys + (["moe.shared_gate_up", "moe.shared_down"] if m.n_shared_experts else [])
+    keys += ["moe.shared_gate_up", "moe.shared_down"] if m.n_shared_experts else []
+    return keys + (["rank.ep_weight"] if 1 < ep < world else [])
 
 
-def region_weight_keys(m: ModelConfig, region: str, cp: int) -> list[str]:
+def region_weight_keys(m: ModelConfig, region: str, cp: int, ep: int = 1, world: int = 1) -> list[str]:
     if region == EMBED:
         return ["embed"]
     if region == HEAD:
@@ -50,9 +51,9 @@ def region_weight_keys(m: ModelConfig, region: str, cp: int) -> list[str]:
     if region == DENSE_LAYER:
         return attn_keys(m, cp) + ["mlp.gate_up", "mlp.down"]
     if region == MOE_LAYER:
-        return attn_keys(m, cp) + moe_keys(m)
+        return attn_keys(m, cp) + moe_keys(m, ep, world)
     if region == MOE_DENSE:
-        return ["post_attention_layernorm"] + moe_keys(m)
+        return ["post_attention_layernorm"] + moe_keys(m, ep, world)
     raise ValueError(region)
 
 
@@ -97,6 +98,8 @@ def shard_specs(m: ModelConfig, cc: CompileConfig, rank: RankLayout) -> list[Wei
     add("rank.expert_ids", (E,), torch.int64, lambda ck: torch.arange(E_first, E_last, dtype=torch.int64))
     if cc.cp > 1:
         add("rank.cp_rank", (), torch.int64, lambda ck: torch.tensor(rank.cp_rank, dtype=torch.int64))
+    if 1 < cc.ep < cc.world:   # only the first EP group's partial sums count in the world all-reduce
+        add("rank.ep_weight", (), f32, lambda ck: torch.tensor(1.0 if rank.rank < cc.ep else 0.0))
 
     for i in range(m.num_hidden_layers):
         p, L = f"model.layers.{i}.", f"layers.{i}."

@@ -5,14 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
 import torch
 
 from ..common.errors import RequestError
 from ..common.manifest import Manifest
 from .artifact import Artifact, load_graph, load_weights, open_artifact
-from .model_runner import ModelRunner, RegionTimer, StepInputs, build_inputs
+from .model_runner import ModelRunner, RegionTimer, build_inputs
 from .sampler import sample
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
@@ -29,11 +27,11 @@ class StepOutput:
 
 class Engine:
     def __init__(self, manifest: Manifest, runner: ModelRunner, tokenizer: Tokenizer | None,
-                 publish: Callable[[StepInputs], None] | None = None, max_waiting: int = 1024):
+                 followers=None, max_waiting: int = 1024):
         self.manifest = manifest
         self.runner = runner
         self.tokenizer = tokenizer
-        self.publish = publish            # multi-rank: hands each step's inputs to the followers
+        self.followers = followers        # multi-rank: publish(StepInputs | None), check(), close()
         cc = manifest.compile
         self.scheduler = Scheduler(SchedulerConfig(
             decode_buckets=cc.decode_buckets, prefill_buckets=cc.prefill_buckets,
@@ -48,11 +46,32 @@ class Engine:
 
     @classmethod
     def from_artifact(cls, path: str | Path, device: str = "cpu", verify: bool = True, timing: bool = False,
-                      **kw) -> "Engine":
+                      collective_timeout: float = 60.0, **kw) -> "Engine":
         art = open_artifact(path, verify=verify)
-        runner = make_runner(art, rank=0, device=device, timing=timing)
         tok = load_tokenizer(art.root, [t.path for t in art.manifest.tokenizer], art.manifest.model.bos_token_id)
-        return cls(art.manifest, runner, tok, **kw)
+        world = art.manifest.layout.world
+        if world == 1:
+            return cls(art.manifest, make_runner(art, rank=0, device=device, timing=timing), tok, **kw)
+        from .distributed import Followers, claim_device, init_process_group
+        followers = Followers(art.root, art.manifest, device, collective_timeout=collective_timeout)
+        try:
+            device = claim_device(0, world, device)
+            init_process_group(0, world, device, "127.0.0.1", followers.port, collective_timeout)
+            runner = make_runner(art, rank=0, device=device, timing=timing)
+            followers.wait_ready()
+        except BaseException:
+            followers.close()
+            raise
+        return cls(art.manifest, runner, tok, followers=followers, **kw)
+
+    def close(self) -> None:
+        """Stop the followers (multi-rank) and leave the process group."""
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     # -- requests ---------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -99,10 +118,16 @@ class Engine:
         if step is None:
             return []
         inputs = build_inputs(step, self.manifest.compile.block_size)
-        if self.publish is not None:
-            self.publish(inputs)
+        if self.followers is not None:
+            self.followers.publish(inputs)
         t1 = time.perf_counter()
-        logits = self.runner.run(inputs)
+        try:
+            logits = self.runner.run(inputs)
+        except Exception:
+            if self.followers is not None:   # a collective failed: name the rank that caused it, if any
+                time.sleep(0.5)
+                self.followers.check()
+            raise
         t2 = time.perf_counter()
         outputs = self._postprocess(step, logits)
         t3 = time.perf_counter()

@@ -318,5 +318,6 @@ def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
     finally:
         loop.stop()
+        engine.close()
         if engine.runner.timer is not None:
             print(engine.runner.timer.table())

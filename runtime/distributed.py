@@ -1,0 +1,323 @@
+"""Leader and followers: one process per rank, the step's host metadata handed out each step.
+
+The leader (rank 0) owns the scheduler and sampler. It spawns ranks 1..world-1 as followers on this host,
+each told its rank at spawn (DEEPINFER_LOCAL_RANK), and publishes every step's `StepInputs` into a shared
+memory record, ringing one doorbell byte per follower through a pipe. Followers run the same graphs on
+their own weights and KV shard, skip the sampler, and acknowledge each record once read. Across hosts
+(torchrun) the same record goes over a torch.distributed broadcast instead.
+
+Failure handling: a follower that exits is noticed by a monitor thread within a fraction of a second, one
+that stops acknowledging within `ack_timeout`; either way the leader raises RankFailure naming the rank,
+kills the other followers and never leaves orphans (followers also die with their parent).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..common.errors import RankFailure
+from ..common.manifest import DECODE, PREFILL, Manifest
+from .model_runner import StepInputs
+
+_KINDS = {DECODE: 0, PREFILL: 1}
+_STOP = 2
+_HEADER = 8   # kind, T, C, R, B, L, num_logits, step
+
+
+def record_size(m: Manifest) -> int:
+    """int64 slots of the largest step record this artifact can produce."""
+    cc = m.compile
+    T = max(cc.decode_buckets + cc.prefill_buckets)
+    B = cc.context_limit // cc.block_size
+    return _HEADER + 3 * T + T * B + T
+
+
+def pack(si: StepInputs | None, step: int, out: np.ndarray) -> None:
+    if si is None:
+        out[:_HEADER] = [_STOP, 0, 0, 0, 0, 0, 0, step]
+        return
+    T = si.tokens
+    R, B = si.block_tables.shape
+    L = len(si.logit_indices)
+    out[:_HEADER] = [_KINDS[si.kind], T, si.context, R, B, L, si.num_logits, step]
+    o = _HEADER
+    for arr in (si.token_ids, si.positions, si.slot_mapping, si.block_tables.reshape(-1), si.logit_indices):
+        out[o:o + arr.size] = arr
+        o += arr.size
+
+
+def unpack(buf: np.ndarray) -> tuple[StepInputs | None, int]:
+    kind, T, C, R, B, L, n_logits, step = (int(x) for x in buf[:_HEADER])
+    if kind == _STOP:
+        return None, step
+    o = _HEADER
+    parts = []
+    for size in (T, T, T, R * B, L):
+        parts.append(buf[o:o + size].copy())
+        o += size
+    tok, pos, slots, tables, logit_idx = parts
+    return StepInputs("decode" if kind == 0 else "prefill", T, C, tok, pos, slots, tables.reshape(R, B),
+                      logit_idx, n_logits), step
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(rank: int, world: int, device: str, addr: str, port: int, timeout_s: float) -> None:
+    import torch.distributed as dist
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def claim_device(rank: int, world: int, device: str) -> str:
+    """A follower's share of the machine: its GPU, or a slice of the CPU cores and as many threads."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+        return f"cuda:{torch.cuda.current_device()}"
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    per = max(1, len(cores) // world)
+    mine = cores[(rank * per) % len(cores):][:per] or cores[:1]
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    return "cpu"
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the leader dies, so no follower outlives it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+# -- leader side -------------------------------------------------------------------------------------
+class Followers:
+    """Spawns, feeds and watches ranks 1..world-1 on this host."""
+
+    def __init__(self, artifact: Path, manifest: Manifest, device: str = "cpu", ack_timeout: float = 60.0,
+                 collective_timeout: float = 60.0):
+        self.world = manifest.layout.world
+        self.ack_timeout = ack_timeout
+        self.step = 0
+        self.failure: RankFailure | None = None
+        n = record_size(manifest)
+        self.shm = shared_memory.SharedMemory(create=True, size=n * 8)
+        self.record = np.ndarray((n,), dtype=np.int64, buffer=self.shm.buf)
+        self.port = free_port()
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.bells: dict[int, int] = {}
+        self.acks: dict[int, int] = {}
+        for rank in range(1, self.world):
+            bell_r, bell_w = os.pipe()
+            ack_r, ack_w = os.pipe()
+            env = {**os.environ, "DEEPINFER_LOCAL_RANK": str(rank), "DEEPINFER_WORLD_SIZE": str(self.world),
+                   "DEEPINFER_ARTIFACT": str(artifact), "DEEPINFER_SHM": self.shm.name,
+                   "DEEPINFER_DOORBELL_FD": str(bell_r), "DEEPINFER_ACK_FD": str(ack_w),
+                   "DEEPINFER_MASTER": f"127.0.0.1:{self.port}", "DEEPINFER_DEVICE": device,
+                   "DEEPINFER_COLLECTIVE_TIMEOUT": str(collective_timeout)}
+            self.procs[rank] = subprocess.Popen(
+                [sys.executable, "-c", "from deepinfer.runtime.distributed import follower_main; follower_main()"],
+                env=env, pass_fds=(bell_r, ack_w))
+            os.close(bell_r)
+            os.close(ack_w)
+            self.bells[rank], self.acks[rank] = bell_w, ack_r
+        self._monitor = threading.Thread(target=self._watch, name="deepinfer-followers", daemon=True)
+        self._monitor.start()
+
+    def _watch(self) -> None:
+        while self.failure is None:
+            for rank, p in self.procs.items():
+                code = p.poll()
+                if code is not None:
+                    self._fail(RankFailure(f"follower rank {rank} exited with code {code}"
+                                           f"{' (' + signal.Signals(-code).name + ')' if code < 0 else ''}"))
+                    return
+            time.sleep(0.1)
+
+    def _fail(self, err: RankFailure) -> None:
+        if self.failure is None:
+            self.failure = err
+            self.kill()
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Each follower writes one byte once its weights and graphs are loaded."""
+        self._wait_acks(timeout, "load its artifact")
+
+    def _wait_acks(self, timeout: float, what: str) -> None:
+        pending = dict(self.acks)
+        deadline = time.monotonic() + timeout
+        while pending:
+            if self.failure is not None:
+                raise self.failure
+            ready, _, _ = select.select(list(pending.values()), [], [], min(0.2, max(0.0, deadline - time.monotonic())))
+            for rank, fd in list(pending.items()):
+                if fd in ready:
+                    if os.read(fd, 1) == b"":
+                        self._fail(RankFailure(f"follower rank {rank} closed its channel (it died)"))
+                        raise self.failure
+                    del pending[rank]
+            if pending and time.monotonic() > deadline:
+                self._fail(RankFailure(f"follower rank(s) {sorted(pending)} did not {what} within {timeout:.0f}s"))
+                raise self.failure
+
+    def publish(self, si: StepInputs | None) -> None:
+        """Hand a step to every follower (None: stop). Raises RankFailure if a rank is gone."""
+        if self.failure is not None:
+            raise self.failure
+        self.step += 1
+        pack(si, self.step, self.record)
+        for rank, fd in self.bells.items():
+            try:
+                os.write(fd, b"s")
+            except BrokenPipeError:
+                self._fail(RankFailure(f"follower rank {rank} is gone (its doorbell pipe is closed)"))
+                raise self.failure from None
+        # Followers acknowledge reading the record before we may overwrite it with the next step.
+        self._wait_acks(self.ack_timeout, f"take step {self.step}")
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        if self.failure is None and all(p.poll() is None for p in self.procs.values()):
+            try:
+                self.publish(None)
+            except RankFailure:
+                pass
+            for p in self.procs.values():
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+        self.failure = self.failure or RankFailure("followers stopped")
+        self.kill()
+        for fd in list(self.bells.values()) + list(self.acks.values()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.bells.clear()
+        self.acks.clear()
+        try:
+            self.shm.close()
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class BroadcastChannel:
+    """torchrun / multi-host: the leader broadcasts each step record from rank 0 over the process group."""
+
+    def __init__(self, manifest: Manifest):
+        self.buf = torch.zeros(record_size(manifest), dtype=torch.int64)
+        self.step = 0
+
+    def publish(self, si: StepInputs | None) -> None:
+        import torch.distributed as dist
+        self.step += 1
+        pack(si, self.step, self.buf.numpy())
+        dist.broadcast(self.buf, src=0)
+
+    def receive(self) -> StepInputs | None:
+        import torch.distributed as dist
+        dist.broadcast(self.buf, src=0)
+        return unpack(self.buf.numpy())[0]
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.publish(None)
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    """The leader owns the segment; without this, Python's resource tracker would unlink it when a follower exits."""
+    try:
+        from multiprocessing import resource_tracker
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+
+
+# -- follower side -----------------------------------------------------------------------------------
+def run_follower(art_path: Path, rank: int, world: int, device: str, receive, ack=None) -> None:
+    """Load this rank's graphs and weights, then run every step the leader publishes until told to stop."""
+    from .artifact import open_artifact
+    from .engine import make_runner
+    art = open_artifact(art_path)
+    if art.manifest.layout.world != world:
+        raise RankFailure(f"rank {rank}: artifact world is {art.manifest.layout.world}, launched with {world}")
+    runner = make_runner(art, rank=rank, device=device)
+    if ack is not None:
+        ack()
+    while True:
+        si = receive()
+        if si is None:
+            return
+        runner.run(si)
+
+
+def follower_main() -> None:
+    """Entry point of a spawned follower (environment set by `Followers`)."""
+    _die_with_parent()
+    rank = int(os.environ["DEEPINFER_LOCAL_RANK"])
+    world = int(os.environ["DEEPINFER_WORLD_SIZE"])
+    bell = int(os.environ["DEEPINFER_DOORBELL_FD"])
+    ack_fd = int(os.environ["DEEPINFER_ACK_FD"])
+    addr, port = os.environ["DEEPINFER_MASTER"].rsplit(":", 1)
+    device = claim_device(rank, world, os.environ.get("DEEPINFER_DEVICE", "cpu"))
+    shm = shared_memory.SharedMemory(name=os.environ["DEEPINFER_SHM"])
+    _untrack(shm)
+    record = np.ndarray((shm.size // 8,), dtype=np.int64, buffer=shm.buf)
+    init_process_group(rank, world, device, addr, int(port),
+                       float(os.environ.get("DEEPINFER_COLLECTIVE_TIMEOUT", "60")))
+
+    def ack() -> None:
+        os.write(ack_fd, b"a")
+
+    def receive() -> StepInputs | None:
+        if os.read(bell, 1) == b"":       # the leader is gone
+            return None
+        si, _ = unpack(record)
+        ack()
+        return si
+
+    try:
+        run_follower(Path(os.environ["DEEPINFER_ARTIFACT"]), rank, world, device, receive, ack)
+    except Exception as e:
+        print(f"deepinfer follower rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
+    finally:
+        shm.close()
+    os._exit(0)
