@@ -161,9 +161,11 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
     if not prompts and not prompt_ids:
         from .runtime.server import serve
         serve(artifacts, host=host, port=port, api_key=api_key or os.environ.get("DEEPINFER_API_KEY"),
-              device=device, max_waiting=max_waiting, timing=timing)
+              device=device, max_waiting=max_waiting, timing=timing, torchrun=_torchrun())
         return
-    engine = Engine.from_artifact(artifacts, device=device, timing=timing)
+    engine = Engine.from_artifact(artifacts, device=device, timing=timing, torchrun=_torchrun())
+    if engine is None:      # a torchrun follower rank: it served the leader until the end
+        return
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             ignore_eos=ignore_eos)
     inputs: list[tuple[str | None, list[int]]] = []
@@ -193,6 +195,13 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
                        err=True)
     if engine.runner.timer is not None:
         click.echo(engine.runner.timer.table(), err=True)
+
+
+def _torchrun() -> tuple[int, int] | None:
+    """(rank, world) when started by torchrun (ranks on several hosts), else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 # -- deepinfer-inspect ----------------------------------------------------------------------------------

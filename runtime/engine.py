@@ -46,12 +46,18 @@ class Engine:
 
     @classmethod
     def from_artifact(cls, path: str | Path, device: str = "cpu", verify: bool = True, timing: bool = False,
-                      collective_timeout: float = 60.0, **kw) -> "Engine":
+                      collective_timeout: float = 60.0, torchrun: tuple[int, int] | None = None,
+                      **kw) -> "Engine":
+        """world == 1: this process. Otherwise this process is rank 0 and spawns the followers on this host,
+        or, with `torchrun=(rank, world)` (set by torchrun), rank 0 leads ranks started elsewhere and
+        every other rank serves as a follower until the leader stops (then this returns None)."""
         art = open_artifact(path, verify=verify)
         tok = load_tokenizer(art.root, [t.path for t in art.manifest.tokenizer], art.manifest.model.bos_token_id)
         world = art.manifest.layout.world
         if world == 1:
             return cls(art.manifest, make_runner(art, rank=0, device=device, timing=timing), tok, **kw)
+        if torchrun is not None:
+            return cls._torchrun_leader(art, tok, device, timing, torchrun, **kw)
         from .distributed import Followers, claim_device, init_process_group
         followers = Followers(art.root, art.manifest, device, collective_timeout=collective_timeout)
         try:
@@ -63,6 +69,25 @@ class Engine:
             followers.close()
             raise
         return cls(art.manifest, runner, tok, followers=followers, **kw)
+
+    @classmethod
+    def _torchrun_leader(cls, art, tok, device, timing, torchrun, **kw) -> "Engine | None":
+        import torch.distributed as dist
+        from ..common.errors import OptionError
+        from .distributed import BroadcastChannel, claim_device, run_follower
+        rank, world = torchrun
+        if world != art.manifest.layout.world:
+            raise OptionError(f"torchrun started {world} ranks, the artifact's layout needs "
+                              f"{art.manifest.layout.world}")
+        device = claim_device(rank, 1, device) if device.startswith("cuda") else device
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        channel = BroadcastChannel(art.manifest)
+        if rank != 0:
+            run_follower(art.root, rank, world, device, channel.receive)
+            dist.destroy_process_group()
+            return None
+        return cls(art.manifest, make_runner(art, rank=0, device=device, timing=timing), tok, followers=channel,
+                   **kw)
 
     def close(self) -> None:
         """Stop the followers (multi-rank) and leave the process group."""

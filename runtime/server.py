@@ -304,9 +304,13 @@ def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
 
 
 def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          device: str = "cpu", max_waiting: int = 256, timing: bool = False) -> None:
+          device: str = "cpu", max_waiting: int = 256, timing: bool = False,
+          torchrun: tuple[int, int] | None = None) -> None:
     import uvicorn
-    engine = Engine.from_artifact(artifacts, device=device, timing=timing, max_waiting=max_waiting)
+    engine = Engine.from_artifact(artifacts, device=device, timing=timing, max_waiting=max_waiting,
+                                  torchrun=torchrun)
+    if engine is None:      # a torchrun follower rank
+        return
     metrics = Metrics(engine.manifest.compile.num_kv_blocks)
     loop = EngineLoop(engine, on_step=metrics.on_step, on_abort=metrics.on_abort)
     loop.start()

@@ -1,0 +1,176 @@
+"""Context and expert parallelism: every layout reproduces the single-rank run; collectives are counted;
+a dead follower stops the leader with a clear error and no leftover processes."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from checkpoints import hf_model
+from deepinfer.common.errors import RankFailure
+from deepinfer.common.manifest import Manifest
+from deepinfer.runtime.engine import Engine
+from deepinfer.runtime.model_runner import build_inputs
+from deepinfer.runtime.scheduler import ScheduledStep, StepEntry
+from deepinfer.runtime.sequence import SamplingParams, Sequence
+from stepper import rel_err
+
+LAYOUTS = [(1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)]
+PROMPTS = [list(range(5, 15)), list(range(20, 67)), [9, 8, 7]]
+
+
+def logits_of_steps(engine: Engine, prompt: list[int], chunks: list[tuple[str, int]]) -> list[torch.Tensor]:
+    """Run a prompt through explicit steps (kind, bucket) on the engine's ranks; last-token logits per step."""
+    blocks = engine.scheduler.blocks
+    seq = Sequence(list(prompt), SamplingParams())
+    out = []
+    cc = engine.manifest.compile
+    for kind, T in chunks:
+        n = min(T, len(prompt) - seq.num_computed)
+        blocks.allocate(seq, n)
+        ctx = next(c for c in cc.context_buckets if c >= seq.num_computed + n)
+        si = build_inputs(ScheduledStep(kind, T, ctx, (StepEntry(seq, seq.num_computed, n, True),)), cc.block_size)
+        if engine.followers is not None:
+            engine.followers.publish(si)
+        out.append(engine.runner.run(si)[0])
+        seq.num_computed += n
+    blocks.free(seq)
+    return out
+
+
+STEPS = [("prefill", 32), ("decode", 4), ("decode", 4), ("decode", 1), ("prefill", 32)]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints, compile_artifact):
+    engine = Engine.from_artifact(compile_artifact(checkpoints["base"]))
+    logits = logits_of_steps(engine, list(range(3, 3 + 45)), STEPS)
+    tokens = [s.output_ids for s in engine.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))]
+    return logits, tokens
+
+
+@pytest.mark.parametrize("cp,ep", LAYOUTS)
+def test_layout_matches_single_rank(cp, ep, checkpoints, compile_artifact, reference):
+    ref_logits, ref_tokens = reference
+    engine = Engine.from_artifact(compile_artifact(checkpoints["base"], cp=cp, ep=ep))
+    try:
+        assert engine.manifest.layout.world == max(cp, ep)
+        logits = logits_of_steps(engine, list(range(3, 3 + 45)), STEPS)
+        for got, want in zip(logits, ref_logits):
+            assert rel_err(got, want) <= 1e-5
+        batch = [s.output_ids for s in engine.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))]
+        assert batch == ref_tokens
+        alone = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=32, ignore_eos=True))[0].output_ids
+        assert alone == ref_tokens[1]
+    finally:
+        engine.close()
+
+
+def _routing_counts(ck, prompt: list[int], layer: int) -> torch.Tensor:
+    """How many of the prompt's tokens transformers routes to each expert of one MoE layer."""
+    hf = hf_model(ck)
+    seen = {}
+    gate = hf.model.layers[layer].mlp.gate
+    h = gate.register_forward_hook(lambda mod, inp, out: seen.update(ids=out[2]) or None)
+    with torch.no_grad():
+        hf(torch.tensor([prompt]))
+    h.remove()
+    return torch.bincount(seen["ids"].flatten(), minlength=gate.weight.shape[0])
+
+
+def test_overflow_on_one_rank_reruns_on_every_rank(checkpoints, compile_artifact, reference):
+    """Capacity chosen so that in layer 1 only one EP rank's experts overflow: the max-all-reduced flag makes
+    both ranks rerun densely (a rank-local decision would deadlock), and the logits still match."""
+    ck = checkpoints["base"]
+    prompt = list(range(3, 3 + 32))
+    counts = _routing_counts(ck, prompt, layer=1)
+    half = counts.numel() // 2
+    busiest = [int(counts[:half].max()), int(counts[half:].max())]
+    cap = min(busiest)                       # the rank with the busier expert overflows, the other fits
+    assert max(busiest) > cap, "this prompt does not overflow one rank alone"
+    engine = Engine.from_artifact(compile_artifact(ck, cp=2, ep=2, moe_capacity=cap))
+    try:
+        got = logits_of_steps(engine, list(range(3, 3 + 45)), STEPS)
+        assert engine.runner.overflow_reruns >= 1
+        for g, want in zip(got, reference[0]):
+            assert rel_err(g, want) <= 1e-5
+    finally:
+        engine.close()
+
+
+def _count_collectives(art, name: str) -> dict[str, int]:
+    m = Manifest.read(art)
+    g = next(g for g in m.graphs if g.name == name)
+    ep = torch.export.load(str(art / g.file))
+    counts: dict[str, int] = {}
+    for node in ep.graph.nodes:
+        t = str(node.target)
+        if "_c10d_functional" in t and "wait_tensor" not in t:
+            key = t.split(".")[-2] + (f":{node.args[1]}" if "all_reduce" in t else "")
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_collectives_per_moe_layer(checkpoints, compile_artifact):
+    art = compile_artifact(checkpoints["base"], cp=2, ep=2)
+    assert _count_collectives(art, "moe_layer.decode.t4.c64") == {"all_gather_into_tensor": 1, "all_reduce:sum": 1}
+    assert _count_collectives(art, "moe_layer.prefill.t32.c64") == {
+        "all_gather_into_tensor": 1, "all_reduce:sum": 1, "all_reduce:max": 1}
+    assert _count_collectives(art, "dense_layer.decode.t4.c64") == {"all_gather_into_tensor": 1}
+    assert _count_collectives(art, "head.decode.t4") == {}
+
+
+def test_per_rank_shards_hold_only_their_experts(checkpoints, compile_artifact):
+    from safetensors import safe_open
+    art = compile_artifact(checkpoints["base"], cp=2, ep=2)
+    m = Manifest.read(art)
+    for w in m.weights:
+        f = safe_open(str(art / w.path), "pt")
+        assert f.get_slice("layers.1.moe.experts_gate_up").get_shape()[0] == 4
+        assert f.get_tensor("rank.expert_ids").tolist() == list(range(4 * w.rank, 4 * w.rank + 4))
+        assert f.get_slice("layers.1.moe.shared_down").get_shape()[1] == 16     # shared expert split in two
+
+
+def test_killed_follower_stops_the_leader_with_a_clear_error(checkpoints, compile_artifact):
+    art = compile_artifact(checkpoints["base"], cp=2, ep=2)
+    leader = subprocess.Popen([sys.executable, "-c", "from deepinfer.cli import run_main; run_main()", str(art),
+                               "--prompt-ids", "5,6,7", "--max-tokens", "120", "--ignore-eos"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    follower = None
+    deadline = time.time() + 120
+    while follower is None and time.time() < deadline:
+        out = subprocess.run(["pgrep", "-P", str(leader.pid), "-f", "follower_main"], capture_output=True, text=True)
+        follower = int(out.stdout.split()[0]) if out.stdout.strip() else None
+        time.sleep(0.2)
+    assert follower is not None, "no follower was spawned"
+    time.sleep(8)                                     # let it load and start generating
+    os.kill(follower, signal.SIGKILL)
+    t = time.time()
+    _, err = leader.communicate(timeout=60)
+    assert time.time() - t < 30
+    assert leader.returncode == 2 and "follower rank 1" in err, err
+    leftover = subprocess.run(["pgrep", "-f", f"DEEPINFER_ARTIFACT={art}"], capture_output=True, text=True).stdout
+    assert not leftover.strip()
+    assert subprocess.run(["pgrep", "-P", str(leader.pid)], capture_output=True).returncode != 0
+
+
+def test_torchrun_path_matches(checkpoints, compile_artifact, reference):
+    art = compile_artifact(checkpoints["base"], cp=2, ep=2)
+    from ports import free_port
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), "-m", "deepinfer", "run", str(art),
+                          "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-tokens", "32", "--ignore-eos",
+                          "--json"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert [x["token_ids"] for x in lines] == [reference[1][0]]
