@@ -217,3 +217,15 @@ def inspect_main(artifacts):
 def bench_main():
     from .runtime.bench import main
     main()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifacts", type=click.Path(path_type=Path))
+@click.option("--graph", "graphs", multiple=True, help="Finish only these graphs (repeatable).")
+@_errors
+def neuron_finish_main(artifacts, graphs):
+    """Phase 2 of --backend neuron, on a Neuron host: trace every graph to a NEFF and update the manifest."""
+    from .compile.neuron import finish
+    m = finish(artifacts, only=list(graphs) or None, log=lambda s: click.echo(s, err=True))
+    click.echo(f"{artifacts}: {sum(g.file.endswith('.neff.pt') for g in m.graphs)}/{len(m.graphs)} graphs "
+               f"have NEFFs ({m.toolchain.compiler})", err=True)

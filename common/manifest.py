@@ -86,6 +86,8 @@ class TensorSpec:
 class WeightArg:
     key: str                           # the name the graph takes it by
     source: str                        # the shard tensor name; '{layer}' is filled in per layer
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @dataclass(frozen=True)
@@ -217,3 +219,11 @@ def graph_name(region: str, kind: str, tokens: int, context: int = 0) -> str:
     if region == HEAD:
         return f"{region}.{kind}.t{tokens}"
     return f"{region}.{kind}.t{tokens}.c{context}"
+
+
+def neuron_state_name(key: str) -> str:
+    """The module-state name a Neuron graph holds weight `key` under (weights are state, not NEFF constants)."""
+    return "w_" + key.replace(".", "__")
+
+
+NEURON_PENDING = "neuronx-cc (pending: finish on a Neuron host)"

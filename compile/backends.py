@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from ..common.errors import BackendUnavailable
-from ..common.manifest import Toolchain
+from ..common.manifest import NEURON_PENDING, Toolchain
 from ..common.toolchain import cpu_isa
 
 # What each backend writes next to the canonical exported program (graphs/<name>.ep.pt2).
-SUFFIX = {"cpu": ".aoti.pt2", "eager": None, "cuda": None, "neuron": ".neff.pt"}
+SUFFIX = {"cpu": ".aoti.pt2", "eager": None, "cuda": None, "neuron": None}   # neuron: NEFFs in phase 2
 
 
 def toolchain(backend: str, neuron_target: str | None = None) -> Toolchain:
@@ -29,16 +29,8 @@ def toolchain(backend: str, neuron_target: str | None = None) -> Toolchain:
                          compiler=f"inductor-{torch.__version__}")
     if backend == "neuron":
         return Toolchain(torch=torch.__version__, python=py, backend=backend, target=neuron_target or "",
-                         compiler=_neuronx_cc_version())
+                         compiler=NEURON_PENDING)
     return Toolchain(torch=torch.__version__, python=py, backend=backend, target="any", compiler="none")
-
-
-def _neuronx_cc_version() -> str:
-    try:
-        import neuronxcc  # type: ignore[import-not-found]
-        return f"neuronx-cc-{getattr(neuronxcc, '__version__', 'unknown')}"
-    except Exception:
-        return "neuronx-cc (not installed on the compiling host)"
 
 
 def graph_hash(ir_sha256: str, tc: Toolchain, dtype: str) -> str:

@@ -60,9 +60,17 @@ def compile_artifact(o: CompileOptions, log: Log = print) -> CompileReport:
             log(f"note: {note}")
 
     memory = memory_plan(m, cc, layout, plans)
+    for ranks, r in _group_ranks(memory):
+        log(f"memory {ranks}: weights {_gib(r.weights_bytes)}, kv pool {_gib(r.kv_pool_bytes)}, "
+            f"activations {_gib(r.activations_bytes)}, total {_gib(r.total)} per rank")
+    if cc.backend == "neuron" and o.device_memory is None:
+        from .neuron import TARGET_MEMORY_GIB
+        cap = TARGET_MEMORY_GIB[cc.neuron_target] << 30
+        worst = max(memory, key=lambda r: r.total)
+        verdict = "fits" if worst.total <= cap else "DOES NOT FIT"
+        log(f"memory plan vs {cc.neuron_target} ({_gib(cap)} per rank): {verdict} "
+            f"(largest rank needs {_gib(worst.total)}); pass --device-memory to refuse layouts that do not fit")
     for r in memory:
-        log(f"memory rank {r.rank}: weights {_gib(r.weights_bytes)}, kv pool {_gib(r.kv_pool_bytes)}, "
-            f"activations {_gib(r.activations_bytes)}, total {_gib(r.total)}")
         if o.device_memory is not None and r.total > o.device_memory:
             raise OptionError(f"rank {r.rank} needs {_gib(r.total)} (weights {_gib(r.weights_bytes)} + kv pool "
                               f"{_gib(r.kv_pool_bytes)} + activations {_gib(r.activations_bytes)}) but "
@@ -85,13 +93,33 @@ def compile_artifact(o: CompileOptions, log: Log = print) -> CompileReport:
             raise DeepinferError(f"{len(failed)} graph(s) failed to compile: {', '.join(failed)}; "
                                  f"no artifact was installed")
         (tmp / MANIFEST_FILE).write_text(manifest.dumps())
+        if cc.backend == "neuron":
+            from .neuron import write_plan
+            write_plan(tmp, manifest, final_root=out)
         install(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if cc.backend == "neuron":
+        manifest = _neuron_phase_two(out, manifest, log)
     secs = time.perf_counter() - t0
     log(f"wrote {out} ({len(graphs)} graphs, root hash {manifest.root_hash[:16]}) in {secs:.1f}s; "
         f"compile cache {cache.hits} hit(s), {cache.misses} miss(es) at {cache.root}")
     return CompileReport(manifest, secs, cache.hits, cache.misses, failed)
+
+
+def _neuron_phase_two(out: Path, manifest: Manifest, log: Log) -> Manifest:
+    """Finish the NEFFs here when this host has the Neuron SDK; otherwise say exactly how to."""
+    from ..common.errors import BackendUnavailable
+    from .neuron import finish, require_sdk
+    try:
+        require_sdk()
+    except BackendUnavailable as e:
+        log(f"neuron: prepared {out} (layout, weights, memory plan, {len(manifest.graphs)} portable graphs); "
+            f"the NEFF step needs a Neuron host: {e}.")
+        log(f"neuron: finish it there with: deepinfer-neuron-finish {out}   "
+            f"(per-graph commands: {out}/neuron/compile.sh)")
+        return manifest
+    return finish(out, log=log)
 
 
 def _with_root_hash(m: Manifest) -> Manifest:
@@ -257,6 +285,19 @@ def _activation_bytes(m: ModelConfig, p: GraphPlan, elt: int) -> int:
         experts = E * max(s.capacity, 1) * (3 * I + D) * 4 + E * T * (3 * I + D) * 4  # capacity + dense rerun
     dense = 3 * T * m.intermediate_size * elt
     return 6 * T * D * 4 + max(attn, experts, dense)
+
+
+def _group_ranks(memory: list[RankMemory]) -> list[tuple[str, RankMemory]]:
+    """Runs of ranks with the same plan, e.g. ('ranks 0-63', plan)."""
+    groups: list[tuple[int, int, RankMemory]] = []
+    for r in memory:
+        key = (r.weights_bytes, r.kv_pool_bytes, r.activations_bytes)
+        if groups and (groups[-1][2].weights_bytes, groups[-1][2].kv_pool_bytes,
+                       groups[-1][2].activations_bytes) == key:
+            groups[-1] = (groups[-1][0], r.rank, groups[-1][2])
+        else:
+            groups.append((r.rank, r.rank, r))
+    return [(f"rank {a}" if a == b else f"ranks {a}-{b}", r) for a, b, r in groups]
 
 
 def _gib(n: int) -> str:

@@ -80,7 +80,7 @@ def _plan(name: str, spec: RegionSpec, cc: CompileConfig) -> GraphPlan:
     shapes = _weight_shapes(m, cc)
     return GraphPlan(
         name=name, spec=spec, inputs=tuple(inputs),
-        weights=tuple(WeightArg(k, weight_source(m, k)) for k in keys),
+        weights=tuple(WeightArg(k, weight_source(m, k), *shapes[k]) for k in keys),
         weight_specs=tuple(TensorSpec(k, *shapes[k]) for k in keys),
         outputs=outputs)
 

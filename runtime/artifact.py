@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from ..common.errors import ArtifactError, BackendUnavailable
+from ..common.errors import ArtifactError
 from ..common.manifest import GraphEntry, Manifest, sha256_file
 from ..common.toolchain import cpu_isa
 
@@ -86,8 +86,9 @@ def load_graph(art: Artifact, g: GraphEntry, device: torch.device) -> GraphFn:
         mod = ep.module().to(device)
         return torch.compile(mod, fullgraph=True, dynamic=False)
     if backend == "neuron":
-        raise BackendUnavailable("backend 'neuron' needs torch-neuronx from the AWS Neuron package repository "
-                                 "(https://pip.repos.neuron.amazonaws.com); it is not installed here")
+        from .neuron import NeuronGraph, check_finished
+        check_finished(art)
+        return NeuronGraph(art, g, core=device.index or 0)
     raise ArtifactError(f"manifest backend {backend!r} is unknown")
 
 

@@ -116,6 +116,11 @@ class ModelRunner:
                 self.layer_weights[region] = {
                     i: {w.key: weights[w.source.format(layer=i)] for w in g.weights} for i in layers}
         self.dense_layers = [i for i in range(self.num_layers) if not m.is_moe_layer(i)]
+        for name, fn in graphs.items():      # backends whose graphs hold weights as device state (Neuron)
+            if hasattr(fn, "bind"):
+                region = entries[name].region
+                for i, w in self.layer_weights[region].items():
+                    fn.bind(w, self.kv_caches[i] if region in (DENSE_LAYER, MOE_LAYER) else None)
         self.overflow_reruns = 0
 
     def _call(self, kind: str, region: str, name: str, *args):

@@ -1,0 +1,193 @@
+"""Our compiled engine vs transformers vs our own model in eager PyTorch, on the same checkpoint, this CPU.
+
+    python benchmarks/cpu_vs_transformers.py [--configs small,mid] [--layouts 1x1,2x2,4x4] [--out FILE.md]
+
+Builds random-weight DeepSeek-V3 checkpoints with transformers' save_pretrained, compiles them with the
+`cpu` backend (AOTInductor; cached by graph hash), and prints one table: prefill tokens/s, decode
+ms/token at batch 1, decode tokens/s at 16 concurrent sequences, each with the ratio to transformers.
+With --layouts, decode ms/token per cp x ep layout and the collectives' share of a decode step.
+Same threads for everyone (torch.get_num_threads()). Ratios matter more than absolute numbers here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+CONFIGS = {
+    "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=256,
+                  num_hidden_layers=4, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                  topk_group=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=128, qk_nope_head_dim=32,
+                  qk_rope_head_dim=16, v_head_dim=32, n_shared_experts=1, max_position_embeddings=2048),
+    "mid": dict(vocab_size=16384, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+                num_hidden_layers=8, num_attention_heads=8, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                topk_group=2, first_k_dense_replace=1, kv_lora_rank=256, q_lora_rank=384, qk_nope_head_dim=64,
+                qk_rope_head_dim=32, v_head_dim=64, n_shared_experts=1, max_position_embeddings=2048),
+}
+PREFILL_LEN = 256
+DECODE_TOKENS = 32
+BATCH = 16
+
+
+def timed(fn, repeat: int = 3) -> float:
+    best = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best.append(time.perf_counter() - t)
+    return min(best)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+# -- transformers ---------------------------------------------------------------------------------------
+@torch.inference_mode()
+def bench_transformers(ck: Path, vocab: int) -> dict:
+    from checkpoints import hf_model
+    hf = hf_model(ck)
+    try:
+        hf.set_experts_implementation("grouped_mm")
+        impl = "grouped_mm"
+    except Exception:
+        impl = "default"
+    p = torch.tensor(prompts(1, PREFILL_LEN, vocab))
+    prefill = timed(lambda: hf(p))
+    short = torch.tensor(prompts(1, 32, vocab))
+
+    def gen(x, n):
+        return hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    t1 = timed(lambda: gen(short, 1), 2)
+    tn = timed(lambda: gen(short, DECODE_TOKENS + 1), 2)
+    batch = torch.tensor(prompts(BATCH, 32, vocab, seed=1))
+    b1 = timed(lambda: gen(batch, 1), 1)
+    bn = timed(lambda: gen(batch, DECODE_TOKENS + 1), 1)
+    return {"prefill_tok_s": PREFILL_LEN / prefill, "decode_ms": 1e3 * (tn - t1) / DECODE_TOKENS,
+            "batch_tok_s": BATCH * DECODE_TOKENS / (bn - b1), "note": f"experts={impl}"}
+
+
+# -- ours -----------------------------------------------------------------------------------------------
+def bench_engine(engine, vocab: int) -> dict:
+    from deepinfer.runtime.sequence import SamplingParams
+
+    def gen(ps, n):
+        return engine.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True))
+    gen(prompts(2, 40, vocab), 4)                     # warm every graph kind once
+    p = prompts(1, PREFILL_LEN, vocab)
+    prefill = timed(lambda: gen(p, 1))
+    short = prompts(1, 32, vocab)
+    t1 = timed(lambda: gen(short, 1))
+    tn = timed(lambda: gen(short, DECODE_TOKENS + 1))
+    batch = prompts(BATCH, 32, vocab, seed=1)
+    b1 = timed(lambda: gen(batch, 1), 2)
+    bn = timed(lambda: gen(batch, DECODE_TOKENS + 1), 2)
+    return {"prefill_tok_s": PREFILL_LEN / prefill, "decode_ms": 1e3 * (tn - t1) / DECODE_TOKENS,
+            "batch_tok_s": BATCH * DECODE_TOKENS / (bn - b1)}
+
+
+def eager_engine(art: Path):
+    """Our model as plain PyTorch: the same region functions, called directly (no export, no compiler)."""
+    from deepinfer.compile.graphs import RegionModule, plan_graphs
+    from deepinfer.runtime.artifact import load_weights, open_artifact
+    from deepinfer.runtime.engine import Engine
+    from deepinfer.runtime.model_runner import ModelRunner
+    from deepinfer.runtime.tokenizer import load_tokenizer
+    a = open_artifact(art)
+    m = a.manifest
+    graphs = {p.name: RegionModule(p.spec) for p in plan_graphs(m.model, m.compile)}
+    runner = ModelRunner(m, graphs, load_weights(a, 0, torch.device("cpu")))
+    return Engine(m, runner, load_tokenizer(a.root, [t.path for t in m.tokenizer], None))
+
+
+def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, backend: str = "cpu") -> Path:
+    from deepinfer.compile.driver import compile_artifact
+    from deepinfer.compile.options import CompileOptions
+    compile_artifact(CompileOptions(model=ck, out=out, backend=backend, cp=cp, ep=ep, decode_buckets=(1, 16),
+                                    prefill_buckets=(256,), context_buckets=(128,), context_limit=512,
+                                    cache_dir=cache), log=lambda s: None)
+    return out
+
+
+def collective_share(engine, vocab: int) -> float:
+    """Fraction of a decode step's leader wall time spent inside collectives (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    from deepinfer.runtime.sequence import SamplingParams
+    ps = prompts(1, 32, vocab)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        engine.generate(ps, SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True))
+        wall = time.perf_counter() - t
+    coll = sum(e.cpu_time_total for e in prof.key_averages()
+               if "c10d" in e.key or "all_reduce" in e.key or "all_gather" in e.key or "wait_tensor" in e.key)
+    return coll / 1e6 / wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="small,mid")
+    ap.add_argument("--layouts", default="", help="e.g. 1x1,2x2,4x4 (cp x ep) for the small config")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None, help="also write the tables (markdown) to this file")
+    args = ap.parse_args()
+    from checkpoints import make_checkpoint
+    from deepinfer.runtime.engine import Engine
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="deepinfer-bench-"))
+    cache = work / "cache"
+    threads = torch.get_num_threads()
+    lines = [f"threads {threads}, torch {torch.__version__}, prefill {PREFILL_LEN} tokens, decode {DECODE_TOKENS} "
+             f"tokens after a 32-token prompt, batch {BATCH}", "",
+             "| config | engine | prefill tok/s | x HF | decode ms/tok (b=1) | x HF | decode tok/s (b=16) | x HF |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name in args.configs.split(","):
+        cfg = CONFIGS[name]
+        ck = work / f"ck-{name}"
+        if not (ck / "config.json").exists():
+            make_checkpoint(ck, seed=0, **cfg)
+        art = compile_for(ck, work / f"art-{name}", cache)
+        hf = bench_transformers(ck, cfg["vocab_size"])
+        eng = Engine.from_artifact(art)
+        ours = bench_engine(eng, cfg["vocab_size"])
+        eager = bench_engine(eager_engine(art), cfg["vocab_size"])
+        for label, r in (("transformers " + hf["note"], hf), ("deepinfer eager PyTorch", eager),
+                         ("deepinfer compiled (cpu)", ours)):
+            lines.append(f"| {name} | {label} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / hf['prefill_tok_s']:.2f} "
+                         f"| {r['decode_ms']:.2f} | {hf['decode_ms'] / r['decode_ms']:.2f} | {r['batch_tok_s']:.0f} "
+                         f"| {r['batch_tok_s'] / hf['batch_tok_s']:.2f} |")
+        print("\n".join(lines[-3:]), flush=True)
+    if args.layouts:
+        lines += ["", "| layout (small) | world | decode ms/tok (b=1) | decode tok/s (b=16) | collectives share of a decode step |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        cfg = CONFIGS["small"]
+        ck = work / "ck-small"
+        if not (ck / "config.json").exists():
+            make_checkpoint(ck, seed=0, **cfg)
+        for lay in args.layouts.split(","):
+            cp, ep = (int(x) for x in lay.split("x"))
+            art = compile_for(ck, work / f"art-small-{cp}x{ep}", cache, cp, ep, backend="eager")
+            eng = Engine.from_artifact(art)
+            try:
+                r = bench_engine(eng, cfg["vocab_size"])
+                share = collective_share(eng, cfg["vocab_size"]) if max(cp, ep) > 1 else 0.0
+            finally:
+                eng.close()
+            lines.append(f"| cp={cp} ep={ep} (eager backend) | {max(cp, ep)} | {r['decode_ms']:.2f} | "
+                         f"{r['batch_tok_s']:.0f} | {100 * share:.0f}% |")
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
