@@ -169,6 +169,8 @@ def export_graph(plan: GraphPlan) -> tuple[torch.export.ExportedProgram, bytes]:
     # Fake example inputs do not serialize portably (the manifest records the shapes instead); AOTInductor
     # still needs them, so they are put back after saving.
     example, ep._example_inputs = ep._example_inputs, None
+    for node in ep.graph.nodes:      # source locations are machine paths: not part of a graph's identity
+        node.meta.pop("stack_trace", None)
     buf = io.BytesIO()
     torch.export.save(ep, buf)
     ep._example_inputs = example

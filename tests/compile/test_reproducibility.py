@@ -35,6 +35,13 @@ def test_two_compiles_in_separate_processes_and_dirs_give_identical_hashes(check
     assert [(g.name, g.ir_sha256, g.file_sha256) for g in ma.graphs] == [
         (g.name, g.ir_sha256, g.file_sha256) for g in mb.graphs]
     assert [w.sha256 for w in ma.weights] == [w.sha256 for w in mb.weights]
+    # No machine path (e.g. of the installed sources) is part of a graph's canonical form.
+    import zipfile
+    import deepinfer
+    src = str(Path(deepinfer.__file__).resolve().parent)
+    for g in ma.graphs:
+        with zipfile.ZipFile(tmp_path / "one" / "art" / g.file) as z:
+            assert all(src.encode() not in z.read(n) for n in z.namelist()), g.name
 
 
 def test_lock_diff_names_exactly_the_changed_graphs(checkpoints, compile_artifact, tmp_path):
