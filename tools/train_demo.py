@@ -507,6 +507,7 @@ def main() -> None:
     # ---- save (bfloat16) + tokenizer
     model.to(torch.bfloat16)
     model.save_pretrained(args.out, safe_serialization=True)
+    os.chmod(os.path.join(args.out, "model.safetensors"), 0o644)  # safetensors writes it 0600
     tok.save(os.path.join(args.out, "tokenizer.json"))
     with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:
         json.dump(tokenizer_config(), f, indent=2)
