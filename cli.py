@@ -69,7 +69,8 @@ def _env_int(name: str) -> int | None:
               help="Token counts of the prompt-as-decode graphs.")
 @click.option("--prefill-buckets", callback=_buckets, default="128", show_default=True,
               help="Token counts of the prefill-chunk graphs ('' for none).")
-@click.option("--context-buckets", callback=_buckets, default="", help="Attention context lengths below the limit.")
+@click.option("--context-buckets", default="auto", show_default=True,
+              help="Attention context lengths below the limit ('auto': 256, 1024, 4096, ... below it).")
 @click.option("--context-limit", type=int, default=None, help="Longest sequence (default: min(model, 4096)).")
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--num-kv-blocks", type=int, default=None,
@@ -102,7 +103,8 @@ def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buc
         cache_dir = Path(os.environ["DEEPINFER_CACHE"])
     opts = CompileOptions(
         model=model if model is not None else DEMO_MODEL, out=out, backend=backend, dtype=dtype, cp=cp, ep=ep,
-        decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, context_buckets=context_buckets or (),
+        decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
+        context_buckets="auto" if context_buckets == "auto" else _buckets(None, None, context_buckets),
         context_limit=context_limit, block_size=block_size, num_kv_blocks=num_kv_blocks, moe_capacity=moe_capacity,
         capacity_factor=capacity_factor, moe_decode_path=moe_decode_path, shape_only=shape_only,
         device_memory=None if device_memory is None else int(device_memory * (1 << 30)),

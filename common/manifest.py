@@ -40,7 +40,7 @@ class CompileConfig:
     num_kv_blocks: int                 # the whole pool, all CP ranks together
     moe_capacity: tuple[int, ...]      # per prefill bucket: tokens one expert takes at most
     capacity_factor: float | None
-    moe_decode_path: str = "dense"     # dense | gather
+    moe_decode_path: str = "auto"      # dense | gather | auto (per bucket: gather when T * top_k < local experts)
     neuron_target: str | None = None
 
     @property

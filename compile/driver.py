@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -227,18 +230,41 @@ def _build_graphs(plans: list[GraphPlan], cc, tc, tmp: Path, cache, keep_going: 
 
 
 def _compile_pending(pending, backend: str, tmp: Path, cache_root: Path, jobs: int):
+    """Compile in worker processes (fresh interpreters started by path, so callers' scripts need no
+    `if __name__ == "__main__"` guard), `jobs` at a time; yields results as they finish."""
     if not pending:
         return
     if jobs <= 1 or len(pending) == 1:
         for plan, ir_sha, ghash, rel in pending:
             yield (plan, ir_sha, ghash, rel, *_compile_worker(plan, backend, str(tmp / rel), str(cache_root), ir_sha))
         return
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(pending)), mp_context=ctx) as pool:
-        futs = {pool.submit(_compile_worker, plan, backend, str(tmp / rel), str(cache_root), ir_sha):
-                (plan, ir_sha, ghash, rel) for plan, ir_sha, ghash, rel in pending}
+    work = tmp / ".work"
+    work.mkdir(exist_ok=True)
+
+    def run(i: int, item):
+        plan, ir_sha, ghash, rel = item
+        job = work / f"job{i}.pkl"
+        job.write_bytes(pickle.dumps((plan, backend, str(tmp / rel), str(cache_root), ir_sha)))
+        proc = subprocess.run([sys.executable, "-c", "from deepinfer.compile.driver import worker_main; "
+                               f"worker_main({str(job)!r})"], capture_output=True, text=True)
+        result = job.with_suffix(".json")
+        if proc.returncode != 0 or not result.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            return (*item, f"compiler worker exited with code {proc.returncode}: {tail[0][:300]}", 0.0)
+        err, secs = json.loads(result.read_text())
+        return (*item, err, secs)
+
+    with ThreadPoolExecutor(max_workers=min(jobs, len(pending))) as pool:
+        futs = [pool.submit(run, i, item) for i, item in enumerate(pending)]
         for fut in as_completed(futs):
-            yield (*futs[fut], *fut.result())
+            yield fut.result()
+
+
+def worker_main(job: str) -> None:
+    """Entry point of a compile worker process."""
+    args = pickle.loads(Path(job).read_bytes())
+    err, secs = _compile_worker(*args)
+    Path(job).with_suffix(".json").write_text(json.dumps([err, secs]))
 
 
 def _compile_worker(plan: GraphPlan, backend: str, dest: str, cache_root: str, ir_sha: str):
@@ -280,7 +306,7 @@ def _activation_bytes(m: ModelConfig, p: GraphPlan, elt: int) -> int:
         attn = rows * s.context * m.kv_cache_dim * elt + 2 * T * H * s.context * 4 + T * H * m.kv_cache_dim * 4
     E, I = s.local_experts, m.moe_intermediate_size
     if s.kind == DECODE:
-        experts = (E * T if s.moe_decode_path == "dense" else T * m.num_experts_per_tok * 3 * I) * (3 * I + D) * 4
+        experts = (E * T if s.moe_decode_path == "dense" else T * m.num_experts_per_tok) * (3 * I + D) * 4
     else:
         experts = E * max(s.capacity, 1) * (3 * I + D) * 4 + E * T * (3 * I + D) * 4  # capacity + dense rerun
     dense = 3 * T * m.intermediate_size * elt

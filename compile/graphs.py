@@ -34,7 +34,7 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
     def add(region: str, kind: str, tokens: int, context: int = 0, capacity: int = 0):
         name = graph_name(region, kind, tokens, context)
         specs.setdefault(name, RegionSpec(m, region, kind, tokens, context, cc.block_size, cc.cp, cc.ep,
-                                          cc.world, capacity, cc.moe_decode_path))
+                                          cc.world, capacity, decode_path(m, cc, tokens)))
 
     layers = ([DENSE_LAYER] if m.num_moe_layers < m.num_hidden_layers else []) + ([MOE_LAYER] if m.num_moe_layers else [])
     for T in cc.decode_buckets:
@@ -53,6 +53,13 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
             add(MOE_DENSE, PREFILL, T)
         add(HEAD, PREFILL, T)
     return [_plan(name, spec, cc) for name, spec in specs.items()]
+
+
+def decode_path(m: ModelConfig, cc: CompileConfig, tokens: int) -> str:
+    """Dense reads every local expert once; gather reads one expert per (token, choice). Pick the fewer."""
+    if cc.moe_decode_path != "auto":
+        return cc.moe_decode_path
+    return "gather" if tokens * m.num_experts_per_tok < m.n_routed_experts // cc.ep else "dense"
 
 
 def _plan(name: str, spec: RegionSpec, cc: CompileConfig) -> GraphPlan:

@@ -176,23 +176,45 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
     if spec.cp > 1:
         valid = valid & tbl_owned.repeat_interleave(bs, dim=1)              # R broadcasts (1 or T)
 
-    q_lat = torch.einsum("thd,hdc->thc", q_nope, w["attn.w_uk"])             # absorb W_UK into q
-    qc = torch.cat([q_lat, q_pe], dim=-1)                                     # [T, H, Dc]
+    mask = ~valid[:, None, :]                                                 # [T, 1, C]
     if spec.kind == DECODE:
-        scores = torch.bmm(qc, ctx.transpose(1, 2))                           # [T, H, C]
+        # Absorbed: fold W_UK into q, score against the latent cache, apply W_UV after the softmax.
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w["attn.w_uk"])
+        scores = torch.bmm(torch.cat([q_lat, q_pe], dim=-1), ctx.transpose(1, 2))        # [T, H, C]
+        scores = scores.float().mul(m.softmax_scale).masked_fill(mask, float("-inf"))
+        c_ctx = ctx[..., :kvr]
+        o_lat = _attend(spec, scores, lambda p: torch.bmm(p.to(c_ctx.dtype), c_ctx).float(), comm)
+        o = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), w["attn.w_uv"])
     else:
-        scores = (qc.reshape(T * H, -1) @ ctx[0].transpose(0, 1)).view(T, H, -1)
-    scores = scores.float() * m.softmax_scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-
-    c_ctx = ctx[..., :kvr]
-    if spec.cp == 1:
-        p = torch.softmax(scores, dim=-1).to(c_ctx.dtype)
-        o_lat = _weighted_values(spec, p, c_ctx).float()                    # [T, H, kvr]
-    else:
-        o_lat = _cp_merge(spec, scores, c_ctx, comm)
-    o = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), w["attn.w_uv"])     # apply W_UV after softmax
+        # Prefill chunk of one sequence: expand its context's latents to per-head keys and values once
+        # (cheaper than the absorbed form when many queries share one context, and transformers' own form).
+        c_ctx, k_pe_ctx = ctx[0, :, :kvr], ctx[0, :, kvr:]
+        k_nope = torch.einsum("cl,hdl->chd", c_ctx, w["attn.w_uk"])                      # [C, H, dn]
+        v = torch.einsum("cl,hvl->chv", c_ctx, w["attn.w_uv"])                           # [C, H, dv]
+        scores = torch.einsum("thd,chd->thc", q_nope, k_nope) + torch.einsum("thr,cr->thc", q_pe, k_pe_ctx)
+        scores = scores.float().mul(m.softmax_scale).masked_fill(mask, float("-inf"))
+        o = _attend(spec, scores, lambda p: torch.einsum("thc,chv->thv", p.to(v.dtype), v).float(), comm)
+        o = o.to(x.dtype)
     return F.linear(o.reshape(T, -1), w["attn.o_proj"])
+
+
+def _attend(spec: RegionSpec, scores: torch.Tensor, weighted_values, comm: Comm) -> torch.Tensor:
+    """softmax(scores) applied to the values, [T, H, C] -> [T, H, X] fp32. With CP: partial attention over
+    this rank's keys, then one packed fp32 all-gather of (output, log-sum-exp) and an exact merge."""
+    if spec.cp == 1:
+        return weighted_values(torch.softmax(scores, dim=-1))
+    mx = scores.amax(dim=-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    e = torch.exp(scores - mx)                                                # masked keys -> 0
+    denom = e.sum(dim=-1, keepdim=True)
+    o = weighted_values(e) / denom.clamp_min(1e-30)
+    lse = torch.where(denom > 0, mx + torch.log(denom.clamp_min(1e-30)), torch.full_like(mx, float("-inf")))
+    packed = comm.cp_all_gather(torch.cat([o, lse], dim=-1))                 # [cp, T, H, X + 1]
+    o_all, lse_all = packed[..., :-1], packed[..., -1:]
+    m_all = lse_all.amax(dim=0, keepdim=True)
+    m_all = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
+    wgt = torch.exp(lse_all - m_all)
+    return (o_all * wgt).sum(0) / wgt.sum(0).clamp_min(1e-30)
 
 
 def _owned(block: torch.Tensor, real: torch.Tensor, cp: int, cp_rank: torch.Tensor | None) -> torch.Tensor:
@@ -204,29 +226,6 @@ def _owned(block: torch.Tensor, real: torch.Tensor, cp: int, cp_rank: torch.Tens
 
 def _local_block(block: torch.Tensor, cp: int) -> torch.Tensor:
     return block if cp == 1 else torch.div(block, cp, rounding_mode="floor")
-
-
-def _weighted_values(spec: RegionSpec, p: torch.Tensor, c_ctx: torch.Tensor) -> torch.Tensor:
-    T, H, C = p.shape
-    if spec.kind == DECODE:
-        return torch.bmm(p, c_ctx)
-    return (p.reshape(T * H, C) @ c_ctx[0]).view(T, H, -1)
-
-
-def _cp_merge(spec: RegionSpec, scores: torch.Tensor, c_ctx: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """Partial attention over this rank's KV, then one packed fp32 all-gather and a log-sum-exp merge."""
-    mx = scores.amax(dim=-1, keepdim=True)
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    e = torch.exp(scores - mx)                                                # masked keys -> 0
-    denom = e.sum(dim=-1, keepdim=True)
-    o = _weighted_values(spec, e.to(c_ctx.dtype), c_ctx).float() / denom.clamp_min(1e-30)
-    lse = torch.where(denom > 0, mx + torch.log(denom.clamp_min(1e-30)), torch.full_like(mx, float("-inf")))
-    packed = comm.cp_all_gather(torch.cat([o, lse], dim=-1))                 # [cp, T, H, kvr + 1]
-    o_all, lse_all = packed[..., :-1], packed[..., -1:]
-    m_all = lse_all.amax(dim=0, keepdim=True)
-    m_all = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
-    wgt = torch.exp(lse_all - m_all)
-    return (o_all * wgt).sum(0) / wgt.sum(0).clamp_min(1e-30)
 
 
 # -- MoE -----------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ class CompileOptions:
     ep: int = 1
     decode_buckets: tuple[int, ...] = (1, 4, 16)
     prefill_buckets: tuple[int, ...] = (128,)
-    context_buckets: tuple[int, ...] = ()
+    context_buckets: tuple[int, ...] | str = "auto"
     context_limit: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -83,7 +83,15 @@ def resolve(o: CompileOptions, m: ModelConfig) -> CompileConfig:
     if not decode:
         raise OptionError("--decode-buckets must name at least one bucket")
     prefill = _buckets("--prefill-buckets", o.prefill_buckets, limit)
-    ctx = _buckets("--context-buckets", o.context_buckets, limit)
+    if o.context_buckets == "auto":
+        # 256, 1024, 4096, ... below the limit: attention cost follows the sequence, not the limit
+        auto, c = [], 256
+        while c < limit:
+            auto.append(c - c % o.block_size or o.block_size)
+            c *= 4
+        ctx = tuple(auto)
+    else:
+        ctx = _buckets("--context-buckets", o.context_buckets, limit)
     for c in ctx:
         if c % o.block_size:
             raise OptionError(f"--context-buckets: {c} is not a multiple of --block-size={o.block_size}")
@@ -111,10 +119,7 @@ def resolve(o: CompileOptions, m: ModelConfig) -> CompileConfig:
         caps = tuple(min(T, max(1, math.ceil(o.capacity_factor * T * K / E))) for T in prefill)
 
     path = o.moe_decode_path
-    if path == "auto":
-        # Reading every local expert is cheap in compute but not in bandwidth; gather when few are hit.
-        path = "gather" if max(decode) * K < E // o.ep else "dense"
-    if path not in ("dense", "gather"):
+    if path not in ("auto", "dense", "gather"):
         raise OptionError(f"--moe-decode-path={o.moe_decode_path!r} must be auto, dense or gather")
 
     return CompileConfig(backend=o.backend, dtype=o.dtype, cp=o.cp, ep=o.ep, decode_buckets=decode,

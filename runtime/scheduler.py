@@ -127,7 +127,8 @@ class Scheduler:
         self.blocks.allocate(seq, n)
         bucket = smallest_at_least(self.cfg.prefill_buckets, n)
         entry = StepEntry(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
-        return ScheduledStep("prefill", bucket, self._context_bucket(seq.num_computed + n), (entry,))
+        # prefill graphs exist for context buckets of at least their token bucket
+        return ScheduledStep("prefill", bucket, self._context_bucket(max(seq.num_computed + n, bucket)), (entry,))
 
     def _schedule_decode(self) -> ScheduledStep | None:
         budget = max(self.cfg.decode_buckets)

@@ -21,6 +21,8 @@ class Tokenizer:
                 add_bos = bool(json.loads(config_json.read_text()).get("add_bos_token", False))
             except ValueError:
                 raise ArtifactError(f"{config_json}: not valid JSON") from None
+        # The tokenizer's own post-processor may already add BOS (as transformers' tokenizers do by default);
+        # tokenizer_config's add_bos_token covers tokenizers that rely on the config instead.
         self.bos_id = bos_token_id if add_bos else None
 
     @property
@@ -28,7 +30,7 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode(text, add_special_tokens=True).ids
         if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids

@@ -39,6 +39,7 @@ def run_to_completion(cfg: SchedulerConfig, requests: list[tuple[int, int]], arr
         assert step.num_real_tokens <= step.tokens
         buckets = cfg.decode_buckets if step.kind == "decode" else cfg.prefill_buckets
         assert step.tokens in buckets and step.context in cfg.context_buckets
+        assert step.kind == "decode" or step.context >= step.tokens      # prefill graphs have C >= T
         for e in step.entries:
             assert e.start + e.num_tokens <= step.context
             assert len(e.seq.block_table) * cfg.block_size >= e.start + e.num_tokens
