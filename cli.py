@@ -65,7 +65,7 @@ def _env_int(name: str) -> int | None:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel ranks (KV sharded by block).")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel ranks.")
-@click.option("--decode-buckets", callback=_buckets, default="1,4,16", show_default=True,
+@click.option("--decode-buckets", callback=_buckets, default="1,8", show_default=True,
               help="Token counts of the prompt-as-decode graphs.")
 @click.option("--prefill-buckets", callback=_buckets, default="128", show_default=True,
               help="Token counts of the prefill-chunk graphs ('' for none).")

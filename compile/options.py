@@ -25,7 +25,7 @@ class CompileOptions:
     dtype: str = "float32"
     cp: int = 1
     ep: int = 1
-    decode_buckets: tuple[int, ...] = (1, 4, 16)
+    decode_buckets: tuple[int, ...] = (1, 8)
     prefill_buckets: tuple[int, ...] = (128,)
     context_buckets: tuple[int, ...] | str = "auto"
     context_limit: int | None = None
