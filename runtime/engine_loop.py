@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..common.errors import CapacityError, DeepinferError
+from ..common.errors import CapacityError, DeepinferError, RankFailure
 from .engine import Engine
 from .sequence import SamplingParams, Sequence
 
@@ -42,10 +42,11 @@ class Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, on_step=None, on_abort=None):
+    def __init__(self, engine: Engine, on_step=None, on_abort=None, on_fatal=None):
         self.engine = engine
         self.on_step = on_step            # metrics hooks, called on the engine thread
         self.on_abort = on_abort
+        self.on_fatal = on_fatal          # the loop cannot go on (a rank died): stop the server
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, Stream] = {}
         self._stop = threading.Event()
@@ -91,12 +92,14 @@ class EngineLoop:
                 self._drain(block=not self.engine.has_work)
                 if self.engine.has_work:
                     self._step()
-        except BaseException as e:  # the loop itself broke: fail everyone, then report
+        except BaseException as e:  # the loop itself broke (a rank died): fail everyone, then report
             self.error = e
-            log.exception("engine loop failed")
+            log.error("engine loop stopped: %s", e)
             for s in list(self._streams.values()):
                 s.push(e)
             self._streams.clear()
+            if self.on_fatal is not None:
+                self.on_fatal(e)
         finally:
             for s in list(self._streams.values()):
                 self.engine.abort(s.seq)
@@ -133,6 +136,8 @@ class EngineLoop:
         t = time.perf_counter()
         try:
             outputs = self.engine.step()
+        except RankFailure:
+            raise
         except Exception as e:  # a failed step fails the requests it held, not the server
             log.exception("engine step failed")
             for s in list(self._streams.values()):

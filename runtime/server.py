@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import secrets
+import signal
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from ..common.errors import CapacityError, RequestError
+from ..common.errors import CapacityError, RankFailure, RequestError
 from .engine import Engine
 from .engine_loop import EngineLoop, Stream, TokenEvent
 from .metrics import Metrics
@@ -306,22 +307,41 @@ def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
 def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           device: str = "cpu", max_waiting: int = 256, timing: bool = False,
           torchrun: tuple[int, int] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (graceful: stop accepting, let in-flight requests finish for up to 30 s,
+    abort the rest, stop the followers) or until a rank fails (then raise, naming it)."""
     import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):     # a graceful stop is a normal exit, not a re-raised signal
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
     engine = Engine.from_artifact(artifacts, device=device, timing=timing, max_waiting=max_waiting,
                                   torchrun=torchrun)
     if engine is None:      # a torchrun follower rank
         return
     metrics = Metrics(engine.manifest.compile.num_kv_blocks)
-    loop = EngineLoop(engine, on_step=metrics.on_step, on_abort=metrics.on_abort)
+    server: Server | None = None
+
+    def fatal(err: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    loop = EngineLoop(engine, on_step=metrics.on_step, on_abort=metrics.on_abort, on_fatal=fatal)
     loop.start()
     app = build_app(loop, engine.manifest.name, metrics, api_key)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("serving %s (%s) on http://%s:%d%s", engine.manifest.name, artifacts, host, port,
              " (API key required on /v1)" if api_key else "")
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30))
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+        server.run()
     finally:
         loop.stop()
         engine.close()
         if engine.runner.timer is not None:
             print(engine.runner.timer.table())
+    if loop.error is not None:
+        raise loop.error if isinstance(loop.error, RankFailure) else RankFailure(f"engine failed: {loop.error!r}")
+    log.info("stopped")

@@ -168,3 +168,71 @@ def test_disconnect_aborts_and_frees_blocks(server):
     metrics = httpx.get(server["base"] + "/metrics").text
     assert "deepinfer_kv_blocks_used 0.0" in metrics
     assert 'deepinfer_requests_finished_total{reason="abort"} 1.0' in metrics
+
+
+def test_fuzzed_requests_get_4xx_and_the_server_keeps_serving(server):
+    """Random malformed bodies (hypothesis): each gets a 4xx with an OpenAI error body; a normal request after
+    all of them still succeeds."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=False),
+                        st.text(max_size=20))
+    values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                           st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                          max_leaves=10)
+    fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stream", "logprobs", "echo",
+              "seed", "stream_options", "ignore_eos", "model"]
+    bad_body = st.one_of(
+        st.dictionaries(st.sampled_from(fields), values, min_size=1, max_size=5).filter(
+            lambda d: not _is_valid(d)),
+        st.dictionaries(st.text(min_size=1, max_size=10).filter(lambda k: k not in fields), values, min_size=1),
+        st.lists(values, max_size=3))
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=bad_body)
+    def check(body):
+        r = httpx.post(server["base"] + "/v1/completions", json=body,
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+        assert 400 <= r.status_code < 500, (body, r.status_code, r.text[:300])
+        assert "error" in r.json()
+
+    check()
+    r = post(server, {"prompt": [5, 6], "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def _is_valid(d: dict) -> bool:
+    """Bodies the server should accept (the fuzzer looks for the others)."""
+    p = d.get("prompt")
+    ok_prompt = (isinstance(p, str) and p) or (isinstance(p, list) and p and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 320 for t in p))
+    if not ok_prompt:
+        return False
+    mt = d.get("max_tokens", 16)
+    return isinstance(mt, int) and not isinstance(mt, bool) and 1 <= mt <= 64 and set(d) <= {"prompt", "max_tokens"}
+
+
+def test_sigterm_shuts_down_gracefully(checkpoints, compile_artifact):
+    art = compile_artifact(checkpoints["base"], cp=2, ep=2)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "from deepinfer.cli import run_main; run_main()", str(art),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    r = httpx.post(base + "/v1/completions", json={"prompt": [4, 5], "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert r.status_code == 200
+    children = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "follower_main"], capture_output=True,
+                              text=True).stdout.split()
+    assert children, "the multi-rank server should have spawned a follower"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    for pid in children:
+        assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0, "follower left running"
