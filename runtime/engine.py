@@ -228,4 +228,8 @@ def make_runner(art: Artifact, rank: int, device: str = "cpu", timing: bool = Fa
     dev = torch.device(device)
     graphs = {g.name: load_graph(art, g, dev) for g in art.manifest.graphs}
     weights = load_weights(art, rank, dev)
-    return ModelRunner(art.manifest, graphs, weights, dev, RegionTimer(dev) if timing else None)
+    runner = ModelRunner(art.manifest, graphs, weights, dev, RegionTimer(dev) if timing else None)
+    if dev.type == "cuda" and not timing:      # region timing needs the launches one by one
+        from .cuda_graphs import StepGraphs
+        runner.step_graphs = StepGraphs(runner)
+    return runner

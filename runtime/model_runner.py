@@ -116,6 +116,7 @@ class ModelRunner:
                 self.layer_weights[region] = {
                     i: {w.key: weights[w.source.format(layer=i)] for w in g.weights} for i in layers}
         self.dense_layers = [i for i in range(self.num_layers) if not m.is_moe_layer(i)]
+        self.step_graphs = None              # CUDA: whole decode steps replayed as CUDA graphs
         for name, fn in graphs.items():      # backends whose graphs hold weights as device state (Neuron)
             if hasattr(fn, "bind"):
                 region = entries[name].region
@@ -137,14 +138,21 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, si: StepInputs) -> torch.Tensor:
         """Run the step; returns logits [num_logits, V] (fp32, on the CPU)."""
-        dev = self.device
         if self.timer is not None:
             self.timer.steps[si.kind] = self.timer.steps.get(si.kind, 0) + 1
-        T, C, kind = si.tokens, si.context, si.kind
-        token_ids = torch.from_numpy(si.token_ids).to(dev)
-        positions = torch.from_numpy(si.positions).to(dev)
-        slots = torch.from_numpy(si.slot_mapping).to(dev)
-        tables = torch.from_numpy(si.block_tables).to(dev)
+        if self.step_graphs is not None and si.kind == DECODE:
+            logits = self.step_graphs.run(si)
+        else:
+            logits = self.forward(si.kind, si.tokens, si.context, *self.to_device(si))
+        return logits[: si.num_logits].float().cpu()
+
+    def to_device(self, si: StepInputs) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.from_numpy(a).to(self.device) for a in
+                     (si.token_ids, si.positions, si.slot_mapping, si.block_tables, si.logit_indices))
+
+    def forward(self, kind: str, T: int, C: int, token_ids, positions, slots, tables, logit_idx) -> torch.Tensor:
+        """embed -> every layer -> head, on the device. Decode steps make no host syncs (CUDA-graph safe);
+        prefill chunks read each MoE layer's overflow flag to decide on the dense rerun."""
         h = _first(self._call(kind, EMBED, graph_name(EMBED, kind, T), token_ids, self.layer_weights[EMBED][0]))
         for i in range(self.num_layers):
             region = DENSE_LAYER if i in self.dense_layers else MOE_LAYER
@@ -159,9 +167,7 @@ class ModelRunner:
                                    self.layer_weights[MOE_DENSE][i])
             else:
                 h = _first(out)
-        logits = _first(self._call(kind, HEAD, graph_name(HEAD, kind, T), h,
-                                   torch.from_numpy(si.logit_indices).to(dev), self.layer_weights[HEAD][0]))
-        return logits[: si.num_logits].float().cpu()
+        return _first(self._call(kind, HEAD, graph_name(HEAD, kind, T), h, logit_idx, self.layer_weights[HEAD][0]))
 
 
 def _first(out):

@@ -1,0 +1,48 @@
+"""Whole decode steps replayed as CUDA graphs: one graph per (tokens, context) decode bucket.
+
+A decode step is every region graph of every layer, launched back to back; captured once, it replays
+as one launch, so the host's per-kernel launch gaps disappear. Inputs go through static buffers
+(copied in before each replay); the KV pools and weights are already static device tensors. Prefill
+chunks are not captured: they read each MoE layer's overflow flag on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common.manifest import DECODE
+from .model_runner import ModelRunner, StepInputs
+
+
+class StepGraphs:
+    def __init__(self, runner: ModelRunner, warmup: int = 2):
+        self.runner = runner
+        self.warmup = warmup
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _capture(self, si: StepInputs):
+        r = self.runner
+        static = tuple(t.clone() for t in r.to_device(si))
+        static[2].fill_(-1)                         # slot_mapping: warm-up and capture write only the trash block
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):           # compile and autotune outside the capture
+                r.forward(DECODE, si.tokens, si.context, *static)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = r.forward(DECODE, si.tokens, si.context, *static)
+        return g, static, out
+
+    def run(self, si: StepInputs) -> torch.Tensor:
+        key = (si.tokens, si.context)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(si)
+        g, static, out = self.graphs[key]
+        for buf, src in zip(static, (si.token_ids, si.positions, si.slot_mapping, si.block_tables,
+                                     si.logit_indices)):
+            buf.copy_(torch.from_numpy(src), non_blocking=True)
+        g.replay()
+        return out
