@@ -71,7 +71,7 @@ def verify_toolchain(m: Manifest) -> None:
 GraphFn = Callable[..., object]
 
 
-def load_graph(art: Artifact, g: GraphEntry, device: torch.device) -> GraphFn:
+def load_graph(art: Artifact, g: GraphEntry, device: torch.device, rank: int = 0) -> GraphFn:
     backend = art.manifest.compile.backend
     path = str(art.file(g.file))
     if backend == "cpu":
@@ -89,7 +89,7 @@ def load_graph(art: Artifact, g: GraphEntry, device: torch.device) -> GraphFn:
     if backend == "neuron":
         from .neuron import NeuronGraph, check_finished
         check_finished(art)
-        return NeuronGraph(art, g, core=device.index or 0)
+        return NeuronGraph(art, g, core=rank)     # each rank claims the NeuronCore of its rank
     raise ArtifactError(f"manifest backend {backend!r} is unknown")
 
 

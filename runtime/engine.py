@@ -226,7 +226,7 @@ def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
 
 def make_runner(art: Artifact, rank: int, device: str = "cpu", timing: bool = False) -> ModelRunner:
     dev = torch.device(device)
-    graphs = {g.name: load_graph(art, g, dev) for g in art.manifest.graphs}
+    graphs = {g.name: load_graph(art, g, dev, rank) for g in art.manifest.graphs}
     weights = load_weights(art, rank, dev)
     runner = ModelRunner(art.manifest, graphs, weights, dev, RegionTimer(dev) if timing else None)
     if dev.type == "cuda" and not timing:      # region timing needs the launches one by one

@@ -18,27 +18,30 @@ from ports import free_port
 API_KEY = "test-key"
 
 
-@pytest.fixture(scope="module")
-def server(checkpoints, compile_artifact):
-    art = compile_artifact(checkpoints["base"])
+def start_server(art, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`deepinfer-run ART` on a free port; returns once /health answers."""
     port = free_port()
-    env = {**os.environ, "DEEPINFER_API_KEY": API_KEY, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", "from deepinfer.cli import run_main; run_main()", str(art),
-                             "--port", str(port), "--max-waiting", "64"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--port", str(port), *args], env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
+                return proc, base
         except httpx.HTTPError:
             time.sleep(0.3)
         if proc.poll() is not None:
             raise RuntimeError(proc.stdout.read())
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, compile_artifact):
+    art = compile_artifact(checkpoints["base"])
+    proc, base = start_server(art, "--max-waiting", "64", env={"DEEPINFER_API_KEY": API_KEY})
     yield {"base": base, "art": art, "proc": proc}
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -215,18 +218,7 @@ def _is_valid(d: dict) -> bool:
 
 def test_sigterm_shuts_down_gracefully(checkpoints, compile_artifact):
     art = compile_artifact(checkpoints["base"], cp=2, ep=2)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", "from deepinfer.cli import run_main; run_main()", str(art),
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
+    proc, base = start_server(art)
     r = httpx.post(base + "/v1/completions", json={"prompt": [4, 5], "max_tokens": 4, "temperature": 0}, timeout=60)
     assert r.status_code == 200
     children = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "follower_main"], capture_output=True,
