@@ -135,7 +135,7 @@ def collective_share(engine, vocab: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="small,mid")
+    ap.add_argument("--configs", default="demo,mid", help="demo (the trained demo model), small, mid")
     ap.add_argument("--layouts", default="", help="e.g. 1x1,2x2,4x4 (cp x ep) for the small config")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="also write the tables (markdown) to this file")
@@ -150,10 +150,14 @@ def main() -> None:
              "| config | engine | prefill tok/s | x HF | decode ms/tok (b=1) | x HF | decode tok/s (b=16) | x HF |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in args.configs.split(","):
-        cfg = CONFIGS[name]
-        ck = work / f"ck-{name}"
-        if not (ck / "config.json").exists():
-            make_checkpoint(ck, seed=0, **cfg)
+        if name == "demo":           # the trained demo model: realistic, balanced routing
+            from deepinfer.compile.options import DEMO_MODEL
+            ck, cfg = DEMO_MODEL, {"vocab_size": 4096}
+        else:
+            cfg = CONFIGS[name]
+            ck = work / f"ck-{name}"
+            if not (ck / "config.json").exists():
+                make_checkpoint(ck, seed=0, **cfg)
         art = compile_for(ck, work / f"art-{name}", cache)
         hf = bench_transformers(ck, cfg["vocab_size"])
         eng = Engine.from_artifact(art)

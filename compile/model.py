@@ -276,8 +276,9 @@ def experts_gather(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weights
 
 
 def experts_capacity(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                     w: Weights) -> tuple[torch.Tensor, torch.Tensor]:
+                     w: Weights, real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Capacity-grouped experts: each local expert takes at most `capacity` tokens, in token order.
+    Padding tokens (real == False) take no capacity: their outputs are discarded anyway.
 
     -> (out [T, D] fp32, overflow [] bool). When any expert overflows, `out` is missing the dropped
     tokens' contributions and the caller must rerun the layer's MoE on the dense path.
@@ -286,6 +287,8 @@ def experts_capacity(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weigh
     E, Cap, D = spec.local_experts, spec.capacity, x.shape[-1]
     local = (ids - w["rank.expert_ids"][0]).reshape(-1)                      # [T*K], token-major
     mine = (local >= 0) & (local < E)
+    if real is not None:
+        mine = mine & real[:, None].expand(T, K).reshape(-1)
     onehot = F.one_hot(torch.where(mine, local, torch.zeros_like(local)), E) * mine[:, None]   # [T*K, E]
     slot = ((torch.cumsum(onehot, dim=0) - 1) * onehot).sum(-1)              # place in its expert's queue
     overflow = (onehot.sum(0) > Cap).any()
@@ -302,13 +305,14 @@ def experts_capacity(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weigh
     return out, overflow
 
 
-def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
+        real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed + shared experts of one layer, summed over EP ranks. x [T, D] normed -> ([T, D], overflow)."""
     m = spec.model
     ids, weights = route(m, x, w)
     overflow = torch.zeros((), dtype=torch.bool, device=x.device)
     if path == "capacity":
-        routed, overflow = experts_capacity(spec, x, ids, weights, w)
+        routed, overflow = experts_capacity(spec, x, ids, weights, w, real)
     elif path == "gather":
         routed = experts_gather(spec, x, ids, weights, w)
     else:
@@ -336,7 +340,7 @@ def layer_region(spec: RegionSpec, hidden: torch.Tensor, positions: torch.Tensor
     if spec.region == DENSE_LAYER:
         return h + swiglu(x, w["mlp.gate_up"], w["mlp.down"])
     if spec.kind == PREFILL:
-        out, overflow = moe(spec, x, w, comm, "capacity")
+        out, overflow = moe(spec, x, w, comm, "capacity", real=slot_mapping >= 0)
         return h + out, h, overflow
     out, _ = moe(spec, x, w, comm, spec.moe_decode_path)
     return h + out

@@ -90,3 +90,19 @@ def test_forced_overflow_reruns_dense_and_still_matches(checkpoints, compile_art
     engine = Engine.from_artifact(compile_artifact(ck, moe_capacity=1))
     out = engine.generate([prompt[:45]], SamplingParams(max_tokens=8, ignore_eos=True))[0].output_ids
     assert out == hf_greedy(hf, prompt[:45], 8)
+
+
+def test_padding_takes_no_capacity(checkpoints):
+    """A prefill chunk padded to its bucket: the padding rows (all the same token) must not overflow."""
+    m, w, x = _setup(checkpoints, T=8, seed=3)
+    T = 24
+    x = torch.cat([x, x[:1].expand(T - 8, -1)])          # 16 identical padding rows route identically
+    real = torch.arange(T) < 8
+    ids, weights = route(m, x, w)
+    cap = int(torch.bincount(ids[:8].flatten(), minlength=m.n_routed_experts).max())
+    out_pad, overflow = experts_capacity(_spec(m, T, cap), x, ids, weights, w, real)
+    assert not bool(overflow)
+    _, overflow_if_counted = experts_capacity(_spec(m, T, cap), x, ids, weights, w)
+    assert bool(overflow_if_counted)
+    dense = experts_dense(_spec(m, T, 0), x, ids, weights, w)
+    torch.testing.assert_close(out_pad[:8], dense[:8], rtol=1e-5, atol=1e-6)
