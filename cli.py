@@ -145,14 +145,19 @@ def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buc
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 (env DEEPINFER_API_KEY).")
 @click.option("--max-waiting", type=int, default=256, show_default=True, help="Waiting-queue bound (503 beyond).")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads for the graphs (default: all cores offline; one fewer when serving, which leaves "
+                   "a core to the HTTP event loop instead of fighting OpenMP's spinning threads for it).")
 @_errors
 def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos, as_json,
-             verify_only, device, host, port, api_key, max_waiting):
+             verify_only, device, host, port, api_key, max_waiting, threads):
     """Load a compiled artifact and generate (--prompt) or serve an OpenAI-compatible /v1/completions."""
     from .runtime.artifact import open_artifact
     from .runtime.engine import Engine
     from .runtime.sequence import SamplingParams
     timing = os.environ.get("DEEPINFER_REGION_TIMING", "") not in ("", "0")
+    serving = not prompts and not prompt_ids and not verify_only
+    _set_threads(threads, serving)
     if verify_only:
         art = open_artifact(artifacts, verify=True)
         m = art.manifest
@@ -197,6 +202,18 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
                        err=True)
     if engine.runner.timer is not None:
         click.echo(engine.runner.timer.table(), err=True)
+
+
+def _set_threads(threads: int | None, serving: bool) -> None:
+    import torch
+    if threads is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores - 1) if serving else cores
+    if threads < 1:
+        raise click.BadParameter(f"{threads} must be >= 1", param_hint="--threads")
+    torch.set_num_threads(threads)
 
 
 def _torchrun() -> tuple[int, int] | None:
