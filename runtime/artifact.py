@@ -75,8 +75,7 @@ def load_graph(art: Artifact, g: GraphEntry, device: torch.device, rank: int = 0
     backend = art.manifest.compile.backend
     path = str(art.file(g.file))
     if backend == "cpu":
-        runner = torch._inductor.aoti_load_package(path)
-        return runner
+        return _FlatAOTI(torch._inductor.aoti_load_package(path), [w.key for w in g.weights])
     if backend == "eager":
         return torch.export.load(path).module()
     if backend == "cuda":
@@ -91,6 +90,27 @@ def load_graph(art: Artifact, g: GraphEntry, device: torch.device, rank: int = 0
         check_finished(art)
         return NeuronGraph(art, g, core=rank)     # each rank claims the NeuronCore of its rank
     raise ArtifactError(f"manifest backend {backend!r} is unknown")
+
+
+class _FlatAOTI:
+    """Calls an AOTInductor package with its inputs already flat: step tensors, then the weights in the
+    manifest's order (the order they were traced in). AOTICompiledModel.__call__ re-parses its tree specs and
+    flattens the weight dict on every call, which costs ~0.1 ms a call."""
+
+    def __init__(self, model, weight_keys: list[str]):
+        import torch.utils._pytree as pytree
+        self.loader = model.loader
+        in_spec = pytree.treespec_loads(self.loader.get_call_spec()[0])
+        def kids(spec):       # torch >= 2.12 has children(); 2.11 only children_specs
+            return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+        traced_keys = kids(kids(in_spec)[0])[-1].context
+        if list(traced_keys) != weight_keys:
+            raise ArtifactError(f"graph weight order {list(traced_keys)[:3]}… differs from the manifest's "
+                                f"{weight_keys[:3]}…")
+
+    def __call__(self, *args):
+        *step, weights = args
+        return self.loader.boxed_run([*step, *weights.values()])
 
 
 def load_weights(art: Artifact, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
