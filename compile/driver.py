@@ -24,7 +24,7 @@ from ..common.manifest import (DECODE, MANIFEST_FILE, SCHEMA_VERSION, FileEntry,
 from ..common.model_config import ModelConfig
 from . import backends
 from .checkpoint import Checkpoint
-from .graphs import GraphPlan, export_graph, plan_graphs, sha256_bytes
+from .graphs import GraphPlan, export_graph, plan_graphs, sha256_bytes, traced_world
 from .options import CompileOptions, default_cache_dir, make_layout, resolve
 from .weights import DTYPES, check_checkpoint, shard_bytes, shard_specs, write_shard
 
@@ -271,10 +271,11 @@ def _compile_worker(plan: GraphPlan, backend: str, dest: str, cache_root: str, i
     """Re-export (deterministic: the IR hash must match the parent's) and compile one graph."""
     t = time.perf_counter()
     try:
-        ep, ir = export_graph(plan)
-        if sha256_bytes(ir) != ir_sha:
-            return f"non-deterministic export: IR hash {sha256_bytes(ir)[:12]} != {ir_sha[:12]}", 0.0
-        backends.compile_file(backend, ep, Path(dest), Path(cache_root))
+        with traced_world(plan.spec.world):      # the compiler resolves the collectives' group too
+            ep, ir = export_graph(plan)
+            if sha256_bytes(ir) != ir_sha:
+                return f"non-deterministic export: IR hash {sha256_bytes(ir)[:12]} != {ir_sha[:12]}", 0.0
+            backends.compile_file(backend, ep, Path(dest), Path(cache_root))
     except Exception as e:  # compiler failures come back as text, with the graph named by the caller
         return _one_line(e), time.perf_counter() - t
     return None, time.perf_counter() - t

@@ -163,8 +163,8 @@ class ModelRunner:
                 h, h_mid, overflow = out
                 if bool(overflow):
                     self.overflow_reruns += 1
-                    h = self._call(kind, MOE_DENSE, graph_name(MOE_DENSE, kind, T), h_mid,
-                                   self.layer_weights[MOE_DENSE][i])
+                    h = _first(self._call(kind, MOE_DENSE, graph_name(MOE_DENSE, kind, T), h_mid,
+                                          self.layer_weights[MOE_DENSE][i]))
             else:
                 h = _first(out)
         return _first(self._call(kind, HEAD, graph_name(HEAD, kind, T), h, logit_idx, self.layer_weights[HEAD][0]))

@@ -33,3 +33,22 @@ def test_aoti_artifact_matches_transformers_and_recompiles_from_cache(checkpoint
     for prompt in ([7, 8, 9], list(range(5, 45))):
         got = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].output_ids
         assert got == hf_greedy(hf, prompt, 16)
+
+
+def test_aoti_multi_rank_artifact_matches_single_rank(checkpoints, cache_dir, tmp_path):
+    """Graphs with traced collectives compile with AOTInductor (against the fake group) and run on gloo."""
+    ck = checkpoints["base"]
+    opts = dict(model=ck, backend="cpu", decode_buckets=(2,), prefill_buckets=(16,), context_limit=64,
+                cache_dir=cache_dir / "aoti", jobs=2)
+    one = compile_artifact(CompileOptions(out=tmp_path / "one", **opts), log=lambda s: None)
+    two = compile_artifact(CompileOptions(out=tmp_path / "two", cp=2, ep=2, **opts), log=lambda s: None)
+    assert two.manifest.layout.world == 2
+    prompts = [[7, 8, 9], list(range(5, 45))]
+    want = [s.output_ids for s in Engine.from_artifact(tmp_path / "one").generate(
+        prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    engine = Engine.from_artifact(tmp_path / "two")
+    try:
+        got = [s.output_ids for s in engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    finally:
+        engine.close()
+    assert got == want
