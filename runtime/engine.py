@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,8 +113,8 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > limit:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                                f"{len(prompt_ids) + params.max_tokens} exceeds the compiled context limit {limit}")
-        if params.temperature < 0:
-            raise RequestError(f"temperature={params.temperature} must be >= 0")
+        if not math.isfinite(params.temperature) or params.temperature < 0:
+            raise RequestError(f"temperature={params.temperature} must be a finite number >= 0")
         if not 0 < params.top_p <= 1:
             raise RequestError(f"top_p={params.top_p} must be in (0, 1]")
         if params.top_k < 0:

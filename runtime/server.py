@@ -133,12 +133,15 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
     async def _json(request: Request) -> dict:
         raw = await request.body()
         try:
-            body = json.loads(raw)
+            body = json.loads(raw, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(f"the request body is not valid JSON ({e})") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
         return body
+
+    def _no_constant(name: str):
+        raise ValueError(f"{name} is not a JSON number")
 
     def _prompts(req: CompletionRequest, tok) -> tuple[list[list[int]], list[str | None]]:
         p = req.prompt
