@@ -145,12 +145,15 @@ def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buc
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 (env DEEPINFER_API_KEY).")
 @click.option("--max-waiting", type=int, default=256, show_default=True, help="Waiting-queue bound (503 beyond).")
+@click.option("--max-prefill-streak", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Prefill chunks first (they admit requests), but at most this many in a row while running "
+                   "sequences wait for their next token: trades burst throughput/TTFT against TPOT stalls.")
 @click.option("--threads", type=int, default=None,
               help="CPU threads for the graphs (default: all cores offline; one fewer when serving, which leaves "
                    "a core to the HTTP event loop instead of fighting OpenMP's spinning threads for it).")
 @_errors
 def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos, as_json,
-             verify_only, device, host, port, api_key, max_waiting, threads):
+             verify_only, device, host, port, api_key, max_waiting, max_prefill_streak, threads):
     """Load a compiled artifact and generate (--prompt) or serve an OpenAI-compatible /v1/completions."""
     from .runtime.artifact import open_artifact
     from .runtime.engine import Engine
@@ -168,9 +171,11 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
     if not prompts and not prompt_ids:
         from .runtime.server import serve
         serve(artifacts, host=host, port=port, api_key=api_key or os.environ.get("DEEPINFER_API_KEY"),
-              device=device, max_waiting=max_waiting, timing=timing, torchrun=_torchrun())
+              device=device, max_waiting=max_waiting, timing=timing, torchrun=_torchrun(),
+              max_prefill_streak=max_prefill_streak)
         return
-    engine = Engine.from_artifact(artifacts, device=device, timing=timing, torchrun=_torchrun())
+    engine = Engine.from_artifact(artifacts, device=device, timing=timing, torchrun=_torchrun(),
+                                  max_prefill_streak=max_prefill_streak)
     if engine is None:      # a torchrun follower rank: it served the leader until the end
         return
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

@@ -28,7 +28,7 @@ class StepOutput:
 
 class Engine:
     def __init__(self, manifest: Manifest, runner: ModelRunner, tokenizer: Tokenizer | None,
-                 followers=None, max_waiting: int = 1024):
+                 followers=None, max_waiting: int = 1024, max_prefill_streak: int = 4):
         self.manifest = manifest
         self.runner = runner
         self.tokenizer = tokenizer
@@ -37,7 +37,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(
             decode_buckets=cc.decode_buckets, prefill_buckets=cc.prefill_buckets,
             context_buckets=cc.context_buckets, context_limit=cc.context_limit, block_size=cc.block_size,
-            num_blocks=cc.num_kv_blocks, max_waiting=max_waiting))
+            num_blocks=cc.num_kv_blocks, max_waiting=max_waiting, max_prefill_streak=max_prefill_streak))
         self.eos_ids = set(manifest.model.eos_token_ids)
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.num_steps = 0

@@ -21,6 +21,13 @@ class SchedulerConfig:
     block_size: int
     num_blocks: int
     max_waiting: int = 1024
+    # Prefill chunks run first (they admit new requests: better throughput and TTFT), but at most this many in
+    # a row while decode-ready sequences wait: it bounds the stall a burst of long prompts adds to their TPOT.
+    max_prefill_streak: int = 4
+
+    def __post_init__(self):
+        if self.max_prefill_streak < 1:
+            raise ValueError(f"max_prefill_streak={self.max_prefill_streak} must be at least 1")
 
     @property
     def max_num_seqs(self) -> int:
@@ -64,7 +71,7 @@ class Scheduler:
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._last_kind = "decode"
+        self._prefill_streak = 0      # consecutive prefill chunks while decode-ready sequences waited
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -94,16 +101,16 @@ class Scheduler:
         prefill = self._prefill_candidate()
         decode_ready = any(s.num_uncomputed <= self.cfg.prompt_as_decode_limit for s in self.running) or any(
             s.num_uncomputed <= self.cfg.prompt_as_decode_limit for s in self.waiting)
-        if prefill is not None and (self._last_kind == "decode" or not decode_ready):
+        if prefill is not None and (self._prefill_streak < self.cfg.max_prefill_streak or not decode_ready):
             step = self._schedule_prefill(prefill)
             if step is not None:
-                self._last_kind = "prefill"
+                self._prefill_streak = self._prefill_streak + 1 if decode_ready else 0
                 return step
         step = self._schedule_decode()
         if step is None and prefill is not None:
             step = self._schedule_prefill(prefill)
-        if step is not None:
-            self._last_kind = step.kind
+        if step is not None and step.kind == "decode":
+            self._prefill_streak = 0
         return step
 
     def _prefill_candidate(self) -> Sequence | None:

@@ -309,7 +309,7 @@ def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
 
 def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           device: str = "cpu", max_waiting: int = 256, timing: bool = False,
-          torchrun: tuple[int, int] | None = None) -> None:
+          torchrun: tuple[int, int] | None = None, max_prefill_streak: int = 4) -> None:
     """Serve until SIGINT/SIGTERM (graceful: stop accepting, let in-flight requests finish for up to 30 s,
     abort the rest, stop the followers) or until a rank fails (then raise, naming it)."""
     import uvicorn
@@ -321,7 +321,7 @@ def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_
             self.should_exit = True
 
     engine = Engine.from_artifact(artifacts, device=device, timing=timing, max_waiting=max_waiting,
-                                  torchrun=torchrun)
+                                  max_prefill_streak=max_prefill_streak, torchrun=torchrun)
     if engine is None:      # a torchrun follower rank
         return
     metrics = Metrics(engine.manifest.compile.num_kv_blocks)

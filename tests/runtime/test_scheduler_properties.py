@@ -57,10 +57,12 @@ requests = st.lists(st.tuples(st.integers(1, 100), st.integers(1, 20)), min_size
 
 
 @settings(max_examples=150, deadline=None)
-@given(requests=requests, data=st.data(), num_blocks=st.integers(8, 40), prefill=st.booleans())
-def test_every_request_finishes_without_leaks(requests, data, num_blocks, prefill):
+@given(requests=requests, data=st.data(), num_blocks=st.integers(8, 40), prefill=st.booleans(),
+       streak=st.integers(1, 5))
+def test_every_request_finishes_without_leaks(requests, data, num_blocks, prefill, streak):
     cfg = SchedulerConfig(decode_buckets=(1, 2, 4), prefill_buckets=(16, 32) if prefill else (),
-                          context_buckets=(64, 128), context_limit=128, block_size=16, num_blocks=num_blocks)
+                          context_buckets=(64, 128), context_limit=128, block_size=16, num_blocks=num_blocks,
+                          max_prefill_streak=streak)
     requests = [(p, min(n, 128 - p)) for p, n in requests if p < 128]
     if not requests:
         return
@@ -91,3 +93,33 @@ def test_block_manager_check_then_act(ops):
             assert (bm.num_free, s.block_table) == before
         owned = [b for q in seqs for b in q.block_table]
         assert len(owned) == len(set(owned)) and len(owned) + bm.num_free == 10
+
+
+def test_prefill_runs_first_but_at_most_max_prefill_streak_in_a_row():
+    """One sequence is decoding when six long prompts arrive: prefills admit them first, yet the decoding
+    sequence gets a step after every `max_prefill_streak` chunks (its TPOT stall is bounded)."""
+    for streak in (1, 3):
+        cfg = SchedulerConfig(decode_buckets=(1, 2, 4, 8), prefill_buckets=(16,), context_buckets=(64,),
+                              context_limit=64, block_size=16, num_blocks=64, max_prefill_streak=streak)
+        sched = Scheduler(cfg)
+        first = Sequence([3] * 2, SamplingParams(max_tokens=50))
+        sched.add(first)
+        kinds = []
+        for i in range(40):
+            if i == 2:
+                for _ in range(6):
+                    sched.add(Sequence([3] * 20, SamplingParams(max_tokens=4)))
+            step = sched.schedule()
+            if step is None:
+                break
+            kinds.append("P" if step.kind == "prefill" else "D")
+            sched.advance(step)
+            for e in step.entries:
+                if e.wants_logits:
+                    e.seq.output_ids.append(7)
+                    if len(e.seq.output_ids) >= e.seq.params.max_tokens:
+                        sched.finish(e.seq, "length")
+        run = "".join(kinds)
+        assert "P" * (streak + 1) not in run, run
+        assert run[2:2 + streak] == "P" * streak, run       # the burst is admitted first
+        assert run.count("P") == 6, run                     # one 16-token chunk each (the 4 left go in decode)
