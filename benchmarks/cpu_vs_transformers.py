@@ -114,7 +114,7 @@ def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, back
     from deepinfer.compile.driver import compile_artifact
     from deepinfer.compile.options import CompileOptions
     compile_artifact(CompileOptions(model=ck, out=out, backend=backend, cp=cp, ep=ep, decode_buckets=(1, 16),
-                                    prefill_buckets=(256,), context_buckets=(128,), context_limit=512,
+                                    prefill_buckets=(256,), context_buckets=(128, 256), context_limit=512,
                                     cache_dir=cache), log=lambda s: None)
     return out
 
