@@ -21,6 +21,16 @@ def check_invariants(sched: Scheduler) -> None:
         assert len(s.block_table) * bm.block_size >= s.num_computed
 
 
+def fake_step(sched: Scheduler, step) -> None:
+    """What the engine does after a step, with the model replaced by 'every sampled token is 7'."""
+    sched.advance(step)
+    for e in step.entries:
+        if e.wants_logits:
+            e.seq.output_ids.append(7)
+            if len(e.seq.output_ids) >= e.seq.params.max_tokens:
+                sched.finish(e.seq, "length")
+
+
 def run_to_completion(cfg: SchedulerConfig, requests: list[tuple[int, int]], arrivals: list[int]) -> list[Sequence]:
     """Requests (prompt_len, max_tokens) arrive at step `arrivals[i]`; every step 'generates' token 7."""
     sched = Scheduler(cfg)
@@ -43,12 +53,7 @@ def run_to_completion(cfg: SchedulerConfig, requests: list[tuple[int, int]], arr
         for e in step.entries:
             assert e.start + e.num_tokens <= step.context
             assert len(e.seq.block_table) * cfg.block_size >= e.start + e.num_tokens
-        sched.advance(step)
-        for e in step.entries:
-            if e.wants_logits:
-                e.seq.output_ids.append(7)
-                if len(e.seq.output_ids) >= e.seq.params.max_tokens:
-                    sched.finish(e.seq, "length")
+        fake_step(sched, step)
         check_invariants(sched)
     return seqs
 
@@ -113,12 +118,7 @@ def test_prefill_runs_first_but_at_most_max_prefill_streak_in_a_row():
             if step is None:
                 break
             kinds.append("P" if step.kind == "prefill" else "D")
-            sched.advance(step)
-            for e in step.entries:
-                if e.wants_logits:
-                    e.seq.output_ids.append(7)
-                    if len(e.seq.output_ids) >= e.seq.params.max_tokens:
-                        sched.finish(e.seq, "length")
+            fake_step(sched, step)
         run = "".join(kinds)
         assert "P" * (streak + 1) not in run, run
         assert run[2:2 + streak] == "P" * streak, run       # the burst is admitted first
