@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ def load_graph(art: Artifact, g: GraphEntry, device: torch.device, rank: int = 0
     backend = art.manifest.compile.backend
     path = str(art.file(g.file))
     if backend == "cpu":
-        return _FlatAOTI(torch._inductor.aoti_load_package(path), [w.key for w in g.weights])
+        return _FlatAOTI(_load_aoti(path), [w.key for w in g.weights])
     if backend == "eager":
         return torch.export.load(path).module()
     if backend == "cuda":
@@ -90,6 +91,25 @@ def load_graph(art: Artifact, g: GraphEntry, device: torch.device, rank: int = 0
         check_finished(art)
         return NeuronGraph(art, g, core=rank)     # each rank claims the NeuronCore of its rank
     raise ArtifactError(f"manifest backend {backend!r} is unknown")
+
+
+def _load_aoti(path: str):
+    """aoti_load_package extracts the package under $TMPDIR and removes the copy only in the loader's
+    destructor, so a killed process leaves ~2 MB a graph in /tmp. Extract into a private directory instead and
+    remove it once loaded: the shared object stays mapped, and these graphs carry no constants to read later."""
+    import shutil
+    import tempfile
+    private = tempfile.mkdtemp(prefix="deepinfer-aoti-")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = private
+    try:
+        return torch._inductor.aoti_load_package(path)
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(private, ignore_errors=True)
 
 
 class _FlatAOTI:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 from checkpoints import hf_greedy, hf_model
@@ -11,7 +13,8 @@ from deepinfer.runtime.engine import Engine
 from deepinfer.runtime.sequence import SamplingParams
 
 
-def test_aoti_artifact_matches_transformers_and_recompiles_from_cache(checkpoints, cache_dir, tmp_path):
+def test_aoti_artifact_matches_transformers_and_recompiles_from_cache(checkpoints, cache_dir, tmp_path,
+                                                                      monkeypatch):
     ck = checkpoints["base"]
     opts = dict(model=ck, backend="cpu", decode_buckets=(2,), prefill_buckets=(16,), context_limit=64,
                 cache_dir=cache_dir / "aoti", jobs=2)
@@ -28,7 +31,13 @@ def test_aoti_artifact_matches_transformers_and_recompiles_from_cache(checkpoint
     assert [g.graph_hash for g in second.manifest.graphs] == [g.graph_hash for g in first.manifest.graphs]
     assert warm < cold / 3, f"cached compile {warm:.1f}s vs cold {cold:.1f}s"
 
+    # Loading leaves no package extraction in the temp dir (a killed rank would leak it otherwise).
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     engine = Engine.from_artifact(tmp_path / "b")
+    assert os.listdir(tmp) == []
     hf = hf_model(ck)
     for prompt in ([7, 8, 9], list(range(5, 45))):
         got = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].output_ids
