@@ -76,11 +76,11 @@ def _env_int(name: str) -> int | None:
 @click.option("--num-kv-blocks", type=int, default=None,
               help="KV pool size in blocks, all CP ranks together (env DEEPINFER_NUM_KV_BLOCKS).")
 @click.option("--moe-capacity", type=int, default=None, help="Tokens one expert takes per prefill chunk.")
-@click.option("--capacity-factor", type=float, default=2.0, show_default=True,
+@click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True, max=1e6), default=2.0, show_default=True,
               help="Capacity = factor * T * top_k / n_experts, when --moe-capacity is not given.")
 @click.option("--moe-decode-path", type=click.Choice(["auto", "dense", "gather"]), default="auto", show_default=True)
 @click.option("--shape-only", is_flag=True, help="Compile from config.json alone (no weights, nothing to run).")
-@click.option("--device-memory", type=float, default=None, help="GiB per rank; refuse layouts that do not fit.")
+@click.option("--device-memory", type=click.FloatRange(min=0, min_open=True, max=1e6), default=None, help="GiB per rank; refuse layouts that do not fit.")
 @click.option("--neuron-target", type=click.Choice(["trn1", "trn2", "inf2"]), default=None)
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Compile cache (env DEEPINFER_CACHE, default ~/.cache/deepinfer).")
@@ -142,9 +142,9 @@ def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buc
 @click.option("--verify-only", is_flag=True, help="Check every file and the toolchain against the manifest; exit.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 (env DEEPINFER_API_KEY).")
-@click.option("--max-waiting", type=int, default=256, show_default=True, help="Waiting-queue bound (503 beyond).")
+@click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True, help="Waiting-queue bound (503 beyond).")
 @click.option("--max-prefill-streak", type=click.IntRange(min=1), default=4, show_default=True,
               help="Prefill chunks first (they admit requests), but at most this many in a row while running "
                    "sequences wait for their next token: trades burst throughput/TTFT against TPOT stalls.")

@@ -228,7 +228,9 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
         fp8_block = tuple(bs)
         ckpt_dtype = "float8_e4m3fn"
 
-    q_lora = cfg.get("q_lora_rank")
+    # Absent fields take transformers' DeepseekV3Config defaults, so both read the same config.json the same way
+    # (the routing fields below cannot be recovered from tensor shapes).
+    q_lora = cfg.get("q_lora_rank", 1536)
     if q_lora is not None:
         q_lora = _typed("q_lora_rank", q_lora, int)
 
@@ -246,12 +248,12 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
         v_head_dim=need("v_head_dim"),
         n_routed_experts=need("n_routed_experts"),
         num_experts_per_tok=need("num_experts_per_tok"),
-        n_shared_experts=opt("n_shared_experts", 0),
-        n_group=opt("n_group", 1),
-        topk_group=opt("topk_group", 1),
-        norm_topk_prob=opt("norm_topk_prob", False, bool),
-        routed_scaling_factor=opt("routed_scaling_factor", 1.0, float),
-        first_k_dense_replace=opt("first_k_dense_replace", 0),
+        n_shared_experts=opt("n_shared_experts", 1),
+        n_group=opt("n_group", 8),
+        topk_group=opt("topk_group", 4),
+        norm_topk_prob=opt("norm_topk_prob", True, bool),
+        routed_scaling_factor=opt("routed_scaling_factor", 2.5, float),
+        first_k_dense_replace=opt("first_k_dense_replace", 3),
         rms_norm_eps=opt("rms_norm_eps", 1e-6, float),
         rope=rope,
         rope_interleave=opt("rope_interleave", True, bool),
@@ -275,8 +277,8 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
         raise ConfigError(f"{source}: per-layer-type rope_parameters are not supported by DeepSeek-V3")
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"{source}: rope_theta={theta!r} must be a positive number")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ConfigError(f"{source}: field 'rope_theta'={theta!r} must be a positive number")
     if rope_type == "default":
         return RopeConfig(rope_type="default", theta=float(theta))
     if rope_type != "yarn":
@@ -284,12 +286,19 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
     max_pos = cfg.get("max_position_embeddings", 4096)
     orig = params.get("original_max_position_embeddings",
                       cfg.get("original_max_position_embeddings", max_pos))
+    for name, v in (("max_position_embeddings", max_pos), ("original_max_position_embeddings", orig)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
+            raise ConfigError(f"{source}: field '{name}'={v!r} must be a positive number")
     factor = params.get("factor")
     if factor is None:
         factor = max_pos / orig
     if not isinstance(factor, (int, float)) or factor <= 0:
         raise ConfigError(f"{source}: rope factor={factor!r} must be a positive number")
     af = params.get("attention_factor")
+    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        v = params.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise ConfigError(f"{source}: rope scaling field '{name}'={v!r} must be a finite number")
     return RopeConfig(
         rope_type="yarn",
         theta=float(theta),

@@ -114,8 +114,8 @@ def resolve(o: CompileOptions, m: ModelConfig) -> CompileConfig:
             raise OptionError(f"--moe-capacity={o.moe_capacity} must be >= 1")
         caps = tuple(min(o.moe_capacity, T) for T in prefill)
     else:
-        if o.capacity_factor <= 0:
-            raise OptionError(f"--capacity-factor={o.capacity_factor} must be > 0")
+        if not (math.isfinite(o.capacity_factor) and o.capacity_factor > 0):
+            raise OptionError(f"--capacity-factor={o.capacity_factor} must be a finite number > 0")
         caps = tuple(min(T, max(1, math.ceil(o.capacity_factor * T * K / E))) for T in prefill)
 
     path = o.moe_decode_path

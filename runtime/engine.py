@@ -113,6 +113,8 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > limit:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                                f"{len(prompt_ids) + params.max_tokens} exceeds the compiled context limit {limit}")
+        if params.seed is not None and not -(2 ** 63) <= params.seed < 2 ** 63:
+            raise RequestError(f"seed={params.seed} must be a 64-bit signed integer")
         if not math.isfinite(params.temperature) or params.temperature < 0:
             raise RequestError(f"temperature={params.temperature} must be a finite number >= 0")
         if not 0 < params.top_p <= 1:

@@ -31,6 +31,10 @@ class TokenEvent:
     finish_reason: str | None
 
 
+class RequestAborted(Exception):
+    """Pushed to a stream when its request is aborted (client gone, or a sibling choice failed)."""
+
+
 @dataclass
 class Stream:
     seq: Sequence
@@ -119,7 +123,9 @@ class EngineLoop:
                     self.num_pending -= 1
                 try:
                     seq = self.engine.add_request(prompt_ids, params)
-                except DeepinferError as e:
+                except Exception as e:  # refuse this request only; the loop and everyone else go on
+                    if not isinstance(e, DeepinferError):
+                        log.exception("adding a request failed")
                     loop.call_soon_threadsafe(_resolve, fut, None, e)
                     continue
                 stream = Stream(seq, loop)
@@ -129,8 +135,9 @@ class EngineLoop:
                 stream = arg
                 if self._streams.pop(stream.seq.seq_id, None) is not None:
                     self.engine.abort(stream.seq)
+                    stream.push(RequestAborted("the request was aborted"))   # ends whoever still waits on it
                     if self.on_abort is not None:
-                        self.on_abort(stream.seq)
+                        self.on_abort(self.engine, stream.seq)
 
     def _step(self) -> None:
         t = time.perf_counter()

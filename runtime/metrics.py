@@ -32,18 +32,23 @@ class Metrics:
 
     def on_step(self, engine, outputs, seconds: float) -> None:
         """Runs on the engine thread after every step."""
-        sched = engine.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.kv_used.set(sched.blocks.num_used)
+        self._gauges(engine)
         self.step_seconds.observe(seconds)
         self.generated.inc(len(outputs))
         for out in outputs:
             if out.finished:
                 self.observe_finished(out.seq)
 
-    def on_abort(self, seq) -> None:
+    def on_abort(self, engine, seq) -> None:
+        """Runs on the engine thread after an abort (an idle engine runs no step that would refresh the gauges)."""
         self.finished.labels("abort").inc()
+        self._gauges(engine)
+
+    def _gauges(self, engine) -> None:
+        sched = engine.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_used.set(sched.blocks.num_used)
 
     def observe_finished(self, seq) -> None:
         import time

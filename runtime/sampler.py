@@ -38,7 +38,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
 
 def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
                 generator: torch.Generator | None) -> int:
-    row = row.float() / temperature
+    row = (row.float() - row.max()) / temperature     # shifted first: no inf - inf = NaN for small temperatures
     if 0 < top_k < row.numel():
         kth = row.topk(top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

@@ -23,7 +23,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # as vLLM: temperatures this small are greedy (dividing logits by them overflows to inf)
+        return self.temperature < 1e-5
 
 
 class Status(enum.Enum):

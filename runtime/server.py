@@ -10,7 +10,7 @@ import secrets
 import signal
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -26,6 +26,11 @@ from .tokenizer import Tokenizer, no_tokenizer
 log = logging.getLogger("deepinfer.server")
 MAX_N = 16
 MAX_LOGPROBS = 20
+INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
+class Unauthorized(Exception):
+    pass
 
 
 def _err(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
@@ -39,15 +44,18 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
     vocab = engine.manifest.model.vocab_size
     app = FastAPI(title="deepinfer", version="0.1.0")
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
+    # A dependency of the /v1 routes rather than an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
+    # disconnects from request.is_disconnected(), so aborted non-streaming requests would keep generating.
+    async def auth(request: Request) -> None:
+        if api_key:
             header = request.headers.get("authorization", "")
             if not secrets.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
-                metrics.rejected.labels("401").inc()
-                return _err(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                            "authentication_error")
-        return await call_next(request)
+                raise Unauthorized()
+
+    @app.exception_handler(Unauthorized)
+    async def _unauthorized(request, exc: Unauthorized):
+        metrics.rejected.labels("401").inc()
+        return _err(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error")
 
     @app.exception_handler(RequestError)
     async def _bad(request, exc: RequestError):
@@ -69,7 +77,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
     async def prom():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
         card = {"id": model_name, "object": "model", "created": now(), "owned_by": "deepinfer", "root": model_name,
                 "parent": None, "max_model_len": limit}
@@ -79,11 +87,14 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
     async def tokenize(request: Request):
         body = await _json(request)
         prompt = body.get("prompt")
-        if not isinstance(prompt, str) or set(body) - {"prompt", "model", "add_special_tokens"}:
-            raise RequestError("/tokenize takes {'prompt': <string>} (optionally 'model')")
+        special = body.get("add_special_tokens", True)
+        if not isinstance(prompt, str) or not isinstance(special, bool) or \
+                set(body) - {"prompt", "model", "add_special_tokens"}:
+            raise RequestError("/tokenize takes {'prompt': <string>} (optionally 'model', 'add_special_tokens': "
+                               "<bool>)")
         if tok is None:
             raise no_tokenizer("/tokenize")
-        ids = tok.encode(prompt)
+        ids = tok.encode(prompt, add_special_tokens=special)
         return {"tokens": ids, "count": len(ids), "max_model_len": limit}
 
     @app.post("/detokenize")
@@ -100,7 +111,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             raise no_tokenizer("/detokenize")
         return {"prompt": tok.decode(ids)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(request: Request):
         body = await _json(request)
         try:
@@ -136,6 +147,8 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             body = json.loads(raw, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(f"the request body is not valid JSON ({e})") from None
+        except RecursionError:
+            raise RequestError("the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
         return body
@@ -178,6 +191,12 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             raise RequestError("echo together with logprobs (prompt logprobs) is not supported")
         if req.top_k < -1:
             raise RequestError(f"field 'top_k'={req.top_k} must be -1 (off) or positive")
+        if req.seed is not None and not (INT64[0] <= req.seed and req.seed + req.n - 1 <= INT64[1]):
+            raise RequestError(f"field 'seed'={req.seed} must be a 64-bit signed integer (seed + n - 1 included)")
+        if req.stream_options is not None and not req.stream:
+            raise RequestError("field 'stream_options' is only allowed with 'stream': true")
+        if req.stop and tok is None:
+            raise no_tokenizer("stop strings")
         if req.n > 1 and req.temperature == 0:
             raise RequestError("n > 1 with temperature 0 would return identical choices; use a temperature > 0")
         max_tokens = req.max_tokens
@@ -213,6 +232,10 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         watcher = asyncio.create_task(_watch_disconnect(request, streams))
         try:
             results = await asyncio.gather(*(_collect(s) for s in streams))
+        except BaseException:        # one choice failed (or the client left): stop the others too
+            for s in streams:
+                loop.abort(s)
+            raise
         finally:
             watcher.cancel()
         choices = []
@@ -238,7 +261,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
 
     async def _watch_disconnect(request: Request, streams: list[Stream]):
         while True:
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(0.1)
             if await request.is_disconnected():
                 for s in streams:
                     loop.abort(s)
@@ -261,12 +284,14 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         created = now()
         remaining = len(streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
         def chunk(i: int, text: str, finish: str | None, lp: dict | None) -> str:
-            return "data: " + json.dumps({"id": rid, "object": "text_completion", "created": created,
-                                          "model": model_name,
-                                          "choices": [{"index": i, "text": text, "logprobs": lp,
-                                                       "finish_reason": finish}]}) + "\n\n"
+            body = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
+            if continuous_usage:        # vLLM's extension: the running usage on every chunk
+                body["usage"] = _usage(prompts, streams, req.n)
+            return "data: " + json.dumps(body) + "\n\n"
         try:
             if req.echo:
                 for i in range(len(streams)):

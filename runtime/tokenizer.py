@@ -29,13 +29,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:   # JSON allows lone surrogates ("\ud800"); UTF-8 text does not
             raise RequestError(f"the text is not valid Unicode ({e.reason} at position {e.start})") from None
-        ids = self._tok.encode(text, add_special_tokens=True).ids
-        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
 

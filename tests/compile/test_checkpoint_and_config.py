@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -44,7 +45,8 @@ def test_deepseek_v3_671b_config_parses():
 def test_rope_matches_transformers():
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
-    small = dict(V3_671B, hidden_size=64, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
+    # deep copy: transformers' config writes into the rope dict it is given (it adds rope_theta)
+    small = dict(copy.deepcopy(V3_671B), hidden_size=64, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_hidden_layers=1)
     small.pop("quantization_config")
     ours = ModelConfig.from_hf_dict(small)
@@ -64,12 +66,28 @@ def test_rope_matches_transformers():
     ({"kv_lora_rank": "512"}, "'kv_lora_rank'='512' must be int"),
     ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+    ({"rope_scaling": dict(V3_671B["rope_scaling"], mscale="x")}, "'mscale'='x' must be a finite number"),
+    ({"rope_scaling": {k: v for k, v in V3_671B["rope_scaling"].items() if k != "original_max_position_embeddings"},
+      "original_max_position_embeddings": "4k"}, "'original_max_position_embeddings'='4k'"),
+    ({"rope_theta": "1e4"}, "'rope_theta'='1e4' must be a positive number"),
 ])
 def test_bad_config_names_the_field(change, message):
-    cfg = dict(V3_671B)
+    cfg = copy.deepcopy(V3_671B)
     cfg.update(change)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         ModelConfig.from_hf_dict(cfg)
+
+
+def test_absent_optional_fields_read_as_transformers_reads_them():
+    """Routing fields cannot be recovered from tensor shapes: an absent one must mean what it means to
+    transformers' DeepseekV3Config, or the two would route the same checkpoint differently."""
+    from transformers import DeepseekV3Config
+    optional = ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "first_k_dense_replace",
+                "n_shared_experts", "q_lora_rank", "rms_norm_eps", "rope_interleave", "tie_word_embeddings")
+    cfg = {k: v for k, v in V3_671B.items() if k not in optional}
+    ours, hf = ModelConfig.from_hf_dict(cfg), DeepseekV3Config()
+    for k in optional:
+        assert getattr(ours, k) == getattr(hf, k), k
 
 
 def test_missing_field_is_named():

@@ -125,6 +125,9 @@ def test_served_greedy_equals_offline_run_also_under_32_concurrent(server):
     ({"prompt": "x", "model": "other"}, "not served"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"max_tokens": 5}, "prompt"),
+    ({"prompt": "x", "seed": 2 ** 64}, "seed"),                  # beyond int64: torch's generator would raise
+    ({"prompt": "x", "seed": 2 ** 63 - 1, "n": 2}, "seed"),      # seed + 1 for the second choice overflows
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_requests_get_openai_errors(server, body, fragment):
     r = post(server, body)
@@ -145,6 +148,17 @@ def test_malformed_json_auth_and_models(server):
     t = post(server, {"prompt": "Hello"}, path="/tokenize").json()
     assert t["count"] == len(t["tokens"]) and post(server, {"tokens": t["tokens"]}, path="/detokenize").json()[
         "prompt"] == "Hello"
+    bare = post(server, {"prompt": "Hello", "add_special_tokens": False}, path="/tokenize").json()["tokens"]
+    assert bare == t["tokens"][len(t["tokens"]) - len(bare):] and len(bare) <= len(t["tokens"])
+    assert post(server, {"prompt": "Hello", "add_special_tokens": "no"}, path="/tokenize").status_code == 400
+
+
+def test_tiny_temperature_is_greedy_not_a_failed_step(server):
+    """1e-40 overflows logits / temperature to inf; it must behave as greedy (as vLLM), not fail the batch."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True}
+    greedy = post(server, dict(body, temperature=0)).json()["choices"][0]["text"]
+    tiny = post(server, dict(body, temperature=1e-40, seed=3))
+    assert tiny.status_code == 200 and tiny.json()["choices"][0]["text"] == greedy
 
 
 def test_load_then_no_leaked_blocks(server):
@@ -173,6 +187,29 @@ def test_disconnect_aborts_and_frees_blocks(server):
     assert 'deepinfer_requests_finished_total{reason="abort"} 1.0' in metrics
 
 
+def _aborted(server) -> float:
+    for line in httpx.get(server["base"] + "/metrics").text.splitlines():
+        if line.startswith('deepinfer_requests_finished_total{reason="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_non_streaming_disconnect_aborts_too(server):
+    """A client that gives up on a non-streaming request: its sequences stop and free their blocks."""
+    import socket
+    before = _aborted(server)
+    host, port = server["base"].removeprefix("http://").split(":")
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True, "n": 2, "temperature": 1})
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        time.sleep(0.05)
+    time.sleep(2.0)
+    assert _aborted(server) == before + 2
+    metrics = httpx.get(server["base"] + "/metrics").text
+    assert "deepinfer_kv_blocks_used 0.0" in metrics and "deepinfer_requests_running 0.0" in metrics
+
+
 @pytest.mark.parametrize("raw,fragment", [
     ('{"prompt": "x", "temperature": NaN}', "NaN"),
     ('{"prompt": "x", "top_p": Infinity}', "Infinity"),
@@ -180,6 +217,7 @@ def test_disconnect_aborts_and_frees_blocks(server):
     ('{"prompt": "x", "top_p": 1e309}', "top_p"),
     ('{"prompt": "x",', "not valid JSON"),
     ('{"prompt": "ab\\ud800c"}', "not valid Unicode"),          # a lone surrogate: valid JSON, invalid text
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
 ])
 def test_non_finite_numbers_and_broken_json_are_400s(server, raw, fragment):
     r = httpx.post(server["base"] + "/v1/completions", content=raw,
