@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import traceback
@@ -76,11 +77,11 @@ def _env_int(name: str) -> int | None:
 @click.option("--num-kv-blocks", type=int, default=None,
               help="KV pool size in blocks, all CP ranks together (env DEEPINFER_NUM_KV_BLOCKS).")
 @click.option("--moe-capacity", type=int, default=None, help="Tokens one expert takes per prefill chunk.")
-@click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True, max=1e6), default=2.0, show_default=True,
+@click.option("--capacity-factor", type=float, default=2.0, show_default=True,
               help="Capacity = factor * T * top_k / n_experts, when --moe-capacity is not given.")
 @click.option("--moe-decode-path", type=click.Choice(["auto", "dense", "gather"]), default="auto", show_default=True)
 @click.option("--shape-only", is_flag=True, help="Compile from config.json alone (no weights, nothing to run).")
-@click.option("--device-memory", type=click.FloatRange(min=0, min_open=True, max=1e6), default=None, help="GiB per rank; refuse layouts that do not fit.")
+@click.option("--device-memory", type=float, default=None, help="GiB per rank; refuse layouts that do not fit.")
 @click.option("--neuron-target", type=click.Choice(["trn1", "trn2", "inf2"]), default=None)
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Compile cache (env DEEPINFER_CACHE, default ~/.cache/deepinfer).")
@@ -107,7 +108,7 @@ def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buc
         context_buckets="auto" if context_buckets == "auto" else _buckets(None, None, context_buckets),
         context_limit=context_limit, block_size=block_size, num_kv_blocks=num_kv_blocks, moe_capacity=moe_capacity,
         capacity_factor=capacity_factor, moe_decode_path=moe_decode_path, shape_only=shape_only,
-        device_memory=None if device_memory is None else int(device_memory * (1 << 30)),
+        device_memory=None if device_memory is None else _gib(device_memory),
         neuron_target=neuron_target, cache_dir=cache_dir, keep_going=keep_going, jobs=jobs)
     report = compile_artifact(opts, log=lambda s: click.echo(s, err=True))
     if update_lock is not None:
@@ -148,7 +149,7 @@ def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buc
 @click.option("--max-prefill-streak", type=click.IntRange(min=1), default=4, show_default=True,
               help="Prefill chunks first (they admit requests), but at most this many in a row while running "
                    "sequences wait for their next token: trades burst throughput/TTFT against TPOT stalls.")
-@click.option("--threads", type=int, default=None,
+@click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for the graphs (default: all cores offline; one fewer when serving, which leaves "
                    "a core to the HTTP event loop instead of fighting OpenMP's spinning threads for it).")
 @_errors
@@ -209,6 +210,12 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
         click.echo(engine.runner.timer.table(), err=True)
 
 
+def _gib(value: float) -> int:
+    if not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"{value} must be a finite number of GiB > 0", param_hint="--device-memory")
+    return int(value * (1 << 30))
+
+
 def _set_threads(threads: int | None, serving: bool) -> None:
     import torch
     if threads is None:
@@ -216,8 +223,6 @@ def _set_threads(threads: int | None, serving: bool) -> None:
             return
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, cores - 1) if serving else cores
-    if threads < 1:
-        raise click.BadParameter(f"{threads} must be >= 1", param_hint="--threads")
     torch.set_num_threads(threads)
 
 

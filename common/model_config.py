@@ -275,30 +275,27 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
         raise ConfigError(f"{source}: rope_parameters/rope_scaling={params!r} must be an object")
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ConfigError(f"{source}: per-layer-type rope_parameters are not supported by DeepSeek-V3")
+    def number(name: str, v: Any, positive: bool) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+            raise ConfigError(f"{source}: field '{name}'={v!r} must be a {'positive' if positive else 'finite'} "
+                              f"number")
+        return v
+
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise ConfigError(f"{source}: field 'rope_theta'={theta!r} must be a positive number")
+    theta = number("rope_theta", params.get("rope_theta", cfg.get("rope_theta", 10000.0)), positive=True)
     if rope_type == "default":
         return RopeConfig(rope_type="default", theta=float(theta))
     if rope_type != "yarn":
         raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only 'default' and 'yarn')")
-    max_pos = cfg.get("max_position_embeddings", 4096)
-    orig = params.get("original_max_position_embeddings",
-                      cfg.get("original_max_position_embeddings", max_pos))
-    for name, v in (("max_position_embeddings", max_pos), ("original_max_position_embeddings", orig)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
-            raise ConfigError(f"{source}: field '{name}'={v!r} must be a positive number")
+    max_pos = number("max_position_embeddings", cfg.get("max_position_embeddings", 4096), positive=True)
+    orig = number("original_max_position_embeddings", params.get(
+        "original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_pos)), positive=True)
     factor = params.get("factor")
-    if factor is None:
-        factor = max_pos / orig
-    if not isinstance(factor, (int, float)) or factor <= 0:
-        raise ConfigError(f"{source}: rope factor={factor!r} must be a positive number")
-    af = params.get("attention_factor")
+    factor = number("factor", max_pos / orig if factor is None else factor, positive=True)
     for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
-        v = params.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-            raise ConfigError(f"{source}: rope scaling field '{name}'={v!r} must be a finite number")
+        if params.get(name) is not None:
+            number(name, params[name], positive=False)
+    af = params.get("attention_factor")
     return RopeConfig(
         rope_type="yarn",
         theta=float(theta),
