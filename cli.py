@@ -76,10 +76,17 @@ def _env_int(name: str) -> int | None:
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--num-kv-blocks", type=int, default=None,
               help="KV pool size in blocks, all CP ranks together (env DEEPINFER_NUM_KV_BLOCKS).")
-@click.option("--moe-capacity", type=int, default=None, help="Tokens one expert takes per prefill chunk.")
+@click.option("--moe-capacity", type=int, default=None,
+              help="Static path: tokens one expert takes per prefill chunk.")
 @click.option("--capacity-factor", type=float, default=2.0, show_default=True,
               help="Capacity = factor * T * top_k / n_experts, when --moe-capacity is not given.")
-@click.option("--moe-decode-path", type=click.Choice(["auto", "dense", "gather"]), default="auto", show_default=True)
+@click.option("--moe-decode-path", type=click.Choice(["auto", "dense", "gather"]), default="auto", show_default=True,
+              help="Decode MoE on the static path and on the CPU: every local expert (dense) or the chosen ones "
+                   "(gather); auto: gather when T*top_k < local experts.")
+@click.option("--moe-path", type=click.Choice(["auto", "grouped", "static"]), default="auto", show_default=True,
+              help="grouped: exact grouped GEMMs (cpu, eager, cuda); static: capacity-grouped prefill with a dense "
+                   "rerun on overflow, dense/gather decode (what Neuron takes). auto: static on neuron or with "
+                   "--moe-capacity, else grouped.")
 @click.option("--shape-only", is_flag=True, help="Compile from config.json alone (no weights, nothing to run).")
 @click.option("--device-memory", type=float, default=None, help="GiB per rank; refuse layouts that do not fit.")
 @click.option("--neuron-target", type=click.Choice(["trn1", "trn2", "inf2"]), default=None)
@@ -94,7 +101,7 @@ def _env_int(name: str) -> int | None:
 @_errors
 def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buckets, context_buckets,
                  context_limit, block_size, num_kv_blocks, moe_capacity, capacity_factor, moe_decode_path,
-                 shape_only, device_memory, neuron_target, cache_dir, jobs, keep_going, check_lock, update_lock):
+                 moe_path, shape_only, device_memory, neuron_target, cache_dir, jobs, keep_going, check_lock, update_lock):
     """Trace and compile a DeepSeek-V3 checkpoint's graphs ahead of time into an artifact directory."""
     from .compile.driver import compile_artifact
     from .compile.options import DEMO_MODEL, CompileOptions
@@ -107,7 +114,7 @@ def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buc
         decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
         context_buckets="auto" if context_buckets == "auto" else _buckets(None, None, context_buckets),
         context_limit=context_limit, block_size=block_size, num_kv_blocks=num_kv_blocks, moe_capacity=moe_capacity,
-        capacity_factor=capacity_factor, moe_decode_path=moe_decode_path, shape_only=shape_only,
+        capacity_factor=capacity_factor, moe_decode_path=moe_decode_path, moe_path=moe_path, shape_only=shape_only,
         device_memory=None if device_memory is None else _gib(device_memory),
         neuron_target=neuron_target, cache_dir=cache_dir, keep_going=keep_going, jobs=jobs)
     report = compile_artifact(opts, log=lambda s: click.echo(s, err=True))

@@ -10,11 +10,11 @@ from . import serde
 from .errors import ArtifactError
 from .model_config import ModelConfig
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2          # 2: compile.moe_path (grouped | static)
 MANIFEST_FILE = "manifest.json"
 
-# Step kinds: prompt-as-decode (small T, one block-table row per token, dense MoE)
-# and prefill-chunk (large T, one sequence's chunk, capacity-grouped MoE).
+# Step kinds: prompt-as-decode (small T, one block-table row per token)
+# and prefill-chunk (large T, one sequence's chunk; MoE grouped, or capacity-grouped on the static path).
 DECODE = "decode"
 PREFILL = "prefill"
 
@@ -22,7 +22,7 @@ PREFILL = "prefill"
 EMBED = "embed"
 DENSE_LAYER = "dense_layer"
 MOE_LAYER = "moe_layer"
-MOE_DENSE = "moe_dense"      # the MoE half alone, dense path: the rerun after a capacity overflow
+MOE_DENSE = "moe_dense"      # the MoE half alone, dense path: the rerun after a capacity overflow (static path)
 HEAD = "head"
 
 
@@ -40,7 +40,8 @@ class CompileConfig:
     num_kv_blocks: int                 # the whole pool, all CP ranks together
     moe_capacity: tuple[int, ...]      # per prefill bucket: tokens one expert takes at most
     capacity_factor: float | None
-    moe_decode_path: str = "auto"      # dense | gather | auto (per bucket: gather when T * top_k < local experts)
+    moe_decode_path: str = "auto"      # static path and CPU decode: dense | gather | auto (gather: T*top_k < E)
+    moe_path: str = "static"           # grouped: exact grouped GEMMs, every bucket | static: capacity + dense/gather
     neuron_target: str | None = None
 
     @property

@@ -306,8 +306,10 @@ def _activation_bytes(m: ModelConfig, p: GraphPlan, elt: int) -> int:
         rows = s.rows
         attn = rows * s.context * m.kv_cache_dim * elt + 2 * T * H * s.context * 4 + T * H * m.kv_cache_dim * 4
     E, I = s.local_experts, m.moe_intermediate_size
-    if s.kind == DECODE:
-        experts = (E * T if s.moe_decode_path == "dense" else T * m.num_experts_per_tok) * (3 * I + D) * 4
+    if s.moe_path == "grouped":
+        experts = T * m.num_experts_per_tok * (3 * I + 2 * D) * 4        # sorted pairs: x, gate/up, down
+    elif s.kind == DECODE:
+        experts = (E * T if s.moe_path == "dense" else T * m.num_experts_per_tok) * (3 * I + D) * 4
     else:
         experts = E * max(s.capacity, 1) * (3 * I + D) * 4 + E * T * (3 * I + D) * 4  # capacity + dense rerun
     dense = 3 * T * m.intermediate_size * elt
@@ -342,9 +344,10 @@ def _describe(o: CompileOptions, m: ModelConfig, cc, n_graphs: int) -> str:
              f"  layout           cp={cc.cp} ep={cc.ep} world={cc.world}",
              f"  decode buckets   {', '.join(map(str, cc.decode_buckets))}",
              f"  prefill buckets  {', '.join(map(str, cc.prefill_buckets)) or '(none)'}",
-             f"  moe capacity     {', '.join(map(str, cc.moe_capacity)) or '-'}"
-             f"{f' (factor {cc.capacity_factor})' if cc.capacity_factor else ''}",
-             f"  moe decode path  {cc.moe_decode_path}",
+             f"  moe path         {cc.moe_path}"
+             + ("" if cc.moe_path == "grouped" else
+                f" (capacity {', '.join(map(str, cc.moe_capacity)) or '-'}"
+                f"{f', factor {cc.capacity_factor}' if cc.capacity_factor else ''}; decode {cc.moe_decode_path})"),
              f"  context buckets  {', '.join(map(str, cc.context_buckets))} (limit {cc.context_limit})",
              f"  kv pool          {cc.num_kv_blocks} blocks x {cc.block_size} tokens "
              f"({cc.kv_blocks_per_rank} per rank)",

@@ -24,7 +24,7 @@ def lock_key(m: Manifest) -> str:
     model = hashlib.sha256(serde.dumps(m.model).encode()).hexdigest()[:12]
     return (f"{m.name}@{model} cp={cc.cp} ep={cc.ep} {cc.dtype} decode={list(cc.decode_buckets)} "
             f"prefill={list(cc.prefill_buckets)} ctx={list(cc.context_buckets)} bs={cc.block_size} "
-            f"kv={cc.num_kv_blocks} cap={list(cc.moe_capacity)} moe={cc.moe_decode_path}")
+            f"kv={cc.num_kv_blocks} cap={list(cc.moe_capacity)} moe={cc.moe_path}/{cc.moe_decode_path}")
 
 
 def lock_entry(m: Manifest) -> dict:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..common.manifest import DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER, PREFILL
 from ..common.model_config import ModelConfig
+from ..runtime import ops  # noqa: F401  (registers torch.ops.deepinfer.grouped_mm)
 
 Weights = dict[str, torch.Tensor]
 
@@ -36,8 +37,8 @@ class RegionSpec:
     cp: int = 1
     ep: int = 1
     world: int = 1
-    capacity: int = 0          # prefill MoE: tokens one local expert takes at most
-    moe_decode_path: str = "dense"
+    capacity: int = 0          # prefill MoE on the static path: tokens one local expert takes at most
+    moe_path: str = "dense"    # grouped (exact, any T) | static paths: dense | gather (decode), capacity (prefill)
 
     @property
     def local_experts(self) -> int:
@@ -305,13 +306,40 @@ def experts_capacity(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weigh
     return out, overflow
 
 
+def experts_grouped(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    w: Weights, real: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact grouped experts: the (token, choice) pairs routed to this rank's experts, sorted by expert, go
+    through one grouped GEMM per projection; each pair is computed once and nothing can overflow. Pairs of other
+    ranks' experts and of padding tokens sort last and are not computed. -> [T, D] fp32."""
+    T, K = ids.shape
+    E, D = spec.local_experts, x.shape[-1]
+    local = (ids - w["rank.expert_ids"][0]).reshape(-1)                      # [T*K], token-major
+    mine = (local >= 0) & (local < E)
+    if real is not None:
+        mine = mine & real[:, None].expand(T, K).reshape(-1)
+    group = torch.where(mine, local, torch.full_like(local, E))              # E: not computed here
+    order = torch.argsort(group, stable=True)                                # pairs sorted by expert
+    counts = F.one_hot(group, E + 1).sum(0)[:E]
+    offs = torch.cumsum(counts, 0).to(torch.int32)                           # [E] row ends
+    xs = x[torch.div(order, K, rounding_mode="floor")]                       # [T*K, D] each pair's token
+    g, u = torch.ops.deepinfer.grouped_mm(xs, w["moe.experts_gate_up"].transpose(1, 2), offs).chunk(2, dim=-1)
+    y = torch.ops.deepinfer.grouped_mm(F.silu(g) * u, w["moe.experts_down"].transpose(1, 2), offs)  # [T*K, D]
+    computed = (group[order] < E)[:, None]                                   # rows past the last group: masked
+    coef = weights.reshape(-1)[order][:, None]
+    y = torch.where(computed, y.float() * coef, torch.zeros((), device=x.device))
+    out = torch.zeros(T * K, D, device=x.device).index_put((order,), y)     # back to token-major order
+    return out.view(T, K, D).sum(1)
+
+
 def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
         real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed + shared experts of one layer, summed over EP ranks. x [T, D] normed -> ([T, D], overflow)."""
     m = spec.model
     ids, weights = route(m, x, w)
     overflow = torch.zeros((), dtype=torch.bool, device=x.device)
-    if path == "capacity":
+    if path == "grouped":
+        routed = experts_grouped(spec, x, ids, weights, w, real)
+    elif path == "capacity":
         routed, overflow = experts_capacity(spec, x, ids, weights, w, real)
     elif path == "gather":
         routed = experts_gather(spec, x, ids, weights, w)
@@ -332,17 +360,20 @@ def embed_region(spec: RegionSpec, token_ids: torch.Tensor, w: Weights) -> torch
 
 def layer_region(spec: RegionSpec, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, kv_cache: torch.Tensor, w: Weights, comm: Comm = SINGLE_RANK):
-    """One decoder layer. Dense layers return h; MoE layers in prefill chunks return (h, h_mid, overflow)."""
+    """One decoder layer -> h. MoE layers on the static path in prefill chunks return (h, h_mid, overflow)."""
     m = spec.model
     h = hidden + mla_attention(spec, rms_norm(hidden, w["input_layernorm"], m.rms_norm_eps),
                                positions, slot_mapping, block_tables, kv_cache, w, comm)
     x = rms_norm(h, w["post_attention_layernorm"], m.rms_norm_eps)
     if spec.region == DENSE_LAYER:
         return h + swiglu(x, w["mlp.gate_up"], w["mlp.down"])
+    if spec.moe_path == "grouped":
+        out, _ = moe(spec, x, w, comm, "grouped", real=slot_mapping >= 0)
+        return h + out
     if spec.kind == PREFILL:
         out, overflow = moe(spec, x, w, comm, "capacity", real=slot_mapping >= 0)
         return h + out, h, overflow
-    out, _ = moe(spec, x, w, comm, spec.moe_decode_path)
+    out, _ = moe(spec, x, w, comm, spec.moe_path)
     return h + out
 
 

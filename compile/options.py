@@ -34,6 +34,7 @@ class CompileOptions:
     moe_capacity: int | None = None
     capacity_factor: float = 2.0
     moe_decode_path: str = "auto"
+    moe_path: str = "auto"               # grouped | static | auto (static on neuron or with --moe-capacity)
     shape_only: bool = False
     device_memory: int | None = None     # bytes per rank; refuse layouts that do not fit
     neuron_target: str | None = None
@@ -108,25 +109,43 @@ def resolve(o: CompileOptions, m: ModelConfig) -> CompileConfig:
     if nkv % o.cp:
         raise OptionError(f"--num-kv-blocks={nkv} is not divisible by --cp={o.cp}")
 
+    if not (math.isfinite(o.capacity_factor) and o.capacity_factor > 0):
+        raise OptionError(f"--capacity-factor={o.capacity_factor} must be a finite number > 0")
+    moe_path = o.moe_path
+    if moe_path not in ("auto", "grouped", "static"):
+        raise OptionError(f"--moe-path={o.moe_path!r} must be auto, grouped or static")
+    path = o.moe_decode_path
+    if path not in ("auto", "dense", "gather"):
+        raise OptionError(f"--moe-decode-path={o.moe_decode_path!r} must be auto, dense or gather")
+    if moe_path == "auto":
+        # Neuron has no grouped GEMM: its graphs take the static path (capacity-grouped prefill with a dense
+        # rerun on overflow, dense or gathered decode). Elsewhere the exact grouped path, unless a capacity is set.
+        moe_path = "static" if o.backend == "neuron" or o.moe_capacity is not None else "grouped"
+    elif moe_path == "grouped":
+        if o.backend == "neuron":
+            raise OptionError("--moe-path grouped needs a grouped GEMM, which the Neuron backend does not have: "
+                              "use --moe-path static (or auto)")
+        if o.moe_capacity is not None:
+            raise OptionError("--moe-capacity: only for --moe-path static (this is --moe-path grouped)")
+    if moe_path == "grouped":
+        return CompileConfig(backend=o.backend, dtype=o.dtype, cp=o.cp, ep=o.ep, decode_buckets=decode,
+                             prefill_buckets=prefill, context_buckets=ctx, context_limit=limit,
+                             block_size=o.block_size, num_kv_blocks=nkv, moe_capacity=(), capacity_factor=None,
+                             moe_decode_path=path, moe_path="grouped", neuron_target=o.neuron_target)
+
     K, E = m.num_experts_per_tok, m.n_routed_experts
     if o.moe_capacity is not None:
         if o.moe_capacity < 1:
             raise OptionError(f"--moe-capacity={o.moe_capacity} must be >= 1")
         caps = tuple(min(o.moe_capacity, T) for T in prefill)
     else:
-        if not (math.isfinite(o.capacity_factor) and o.capacity_factor > 0):
-            raise OptionError(f"--capacity-factor={o.capacity_factor} must be a finite number > 0")
         caps = tuple(min(T, max(1, math.ceil(o.capacity_factor * T * K / E))) for T in prefill)
-
-    path = o.moe_decode_path
-    if path not in ("auto", "dense", "gather"):
-        raise OptionError(f"--moe-decode-path={o.moe_decode_path!r} must be auto, dense or gather")
 
     return CompileConfig(backend=o.backend, dtype=o.dtype, cp=o.cp, ep=o.ep, decode_buckets=decode,
                          prefill_buckets=prefill, context_buckets=ctx, context_limit=limit,
                          block_size=o.block_size, num_kv_blocks=nkv, moe_capacity=caps,
                          capacity_factor=None if o.moe_capacity is not None else o.capacity_factor,
-                         moe_decode_path=path, neuron_target=o.neuron_target)
+                         moe_decode_path=path, moe_path="static", neuron_target=o.neuron_target)
 
 
 def _buckets(flag: str, values: tuple[int, ...], limit: int) -> tuple[int, ...]:

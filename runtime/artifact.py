@@ -14,6 +14,7 @@ import torch
 from ..common.errors import ArtifactError
 from ..common.manifest import GraphEntry, Manifest, sha256_file
 from ..common.toolchain import cpu_isa
+from . import ops  # noqa: F401  (registers the deepinfer::* ops the graphs call)
 
 
 @dataclass(frozen=True)

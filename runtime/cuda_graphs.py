@@ -2,8 +2,10 @@
 
 A decode step is every region graph of every layer, launched back to back; captured once, it replays
 as one launch, so the host's per-kernel launch gaps disappear. Inputs go through static buffers
-(copied in before each replay); the KV pools and weights are already static device tensors. Prefill
-chunks are not captured: they read each MoE layer's overflow flag on the host.
+(copied in before each replay); the KV pools and weights are already static device tensors. The grouped
+MoE path makes no host syncs (the grouped GEMM reads its offsets on the device), so it captures too. Prefill
+chunks are not captured: each is one long step where launch gaps matter little, and on the static MoE path
+they read each layer's overflow flag on the host.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ def describe(root: str | Path) -> str:
            f"vocab {mc.vocab_size}, rope {mc.rope.rope_type}",
            f"toolchain  {tc.backend} / torch {tc.torch} / python {tc.python} / {tc.target} / {tc.compiler}",
            f"compile    dtype {cc.dtype}, decode buckets {list(cc.decode_buckets)}, prefill buckets "
-           f"{list(cc.prefill_buckets)} (moe capacity {list(cc.moe_capacity)}), context buckets "
+           f"{list(cc.prefill_buckets)}, moe {cc.moe_path}"
+           f"{'' if cc.moe_path == 'grouped' else f' (capacity {list(cc.moe_capacity)})'}, context buckets "
            f"{list(cc.context_buckets)}, limit {cc.context_limit}",
            f"kv pool    {cc.num_kv_blocks} blocks x {cc.block_size} tokens x {mc.kv_cache_dim} "
            f"(latent {mc.kv_lora_rank} + rope {mc.qk_rope_head_dim}) x {mc.num_hidden_layers} layers",

@@ -123,6 +123,7 @@ class ModelRunner:
                 for i, w in self.layer_weights[region].items():
                     fn.bind(w, self.kv_caches[i] if region in (DENSE_LAYER, MOE_LAYER) else None)
         self.overflow_reruns = 0
+        self.static_moe = cc.moe_path == "static"     # prefill MoE layers flag overflows for a dense rerun
 
     def _call(self, kind: str, region: str, name: str, *args):
         fn = self.graphs[name]
@@ -152,14 +153,14 @@ class ModelRunner:
 
     def forward(self, kind: str, T: int, C: int, token_ids, positions, slots, tables, logit_idx) -> torch.Tensor:
         """embed -> every layer -> head, on the device. Decode steps make no host syncs (CUDA-graph safe);
-        prefill chunks read each MoE layer's overflow flag to decide on the dense rerun."""
+        on the static MoE path, prefill chunks read each MoE layer's overflow flag to decide on the dense rerun."""
         h = _first(self._call(kind, EMBED, graph_name(EMBED, kind, T), token_ids, self.layer_weights[EMBED][0]))
         for i in range(self.num_layers):
             region = DENSE_LAYER if i in self.dense_layers else MOE_LAYER
             name = graph_name(region, kind, T, C)
             w = self.layer_weights[region][i]
             out = self._call(kind, region, name, h, positions, slots, tables, self.kv_caches[i], w)
-            if region == MOE_LAYER and kind == PREFILL:
+            if region == MOE_LAYER and kind == PREFILL and self.static_moe:
                 h, h_mid, overflow = out
                 if bool(overflow):
                     self.overflow_reruns += 1

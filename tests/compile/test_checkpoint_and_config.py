@@ -179,6 +179,10 @@ def test_sharded_checkpoint_index(checkpoints, tmp_path):
     (dict(context_buckets=(40,)), "40 is not a multiple of --block-size=16"),
     (dict(decode_buckets=()), "at least one bucket"),
     (dict(moe_capacity=0), "--moe-capacity=0"),
+    (dict(moe_path="fast"), "--moe-path='fast' must be auto, grouped or static"),
+    (dict(moe_path="grouped", moe_capacity=4), "--moe-capacity: only for --moe-path static"),
+    (dict(moe_path="grouped", backend="neuron", neuron_target="trn2"), "the Neuron backend does not have"),
+    (dict(capacity_factor=float("nan")), "--capacity-factor=nan must be a finite number"),
 ])
 def test_bad_options_are_refused(checkpoints, kw, message):
     m = ModelConfig.from_file(checkpoints["base"] / "config.json")
@@ -186,3 +190,18 @@ def test_bad_options_are_refused(checkpoints, kw, message):
     opts.update(kw)
     with pytest.raises(OptionError, match=message.replace("(", r"\(").replace("+", r"\+")):
         resolve(CompileOptions(**opts), m)
+
+
+@pytest.mark.parametrize("kw,path", [
+    (dict(), "grouped"),
+    (dict(backend="cuda"), "grouped"),
+    (dict(backend="neuron", neuron_target="trn2"), "static"),
+    (dict(moe_capacity=4), "static"),
+    (dict(moe_decode_path="gather"), "grouped"),
+    (dict(moe_path="static"), "static"),
+])
+def test_moe_path_auto_resolution(checkpoints, kw, path):
+    m = ModelConfig.from_file(checkpoints["base"] / "config.json")
+    cc = resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128, **kw), m)
+    assert cc.moe_path == path
+    assert (cc.moe_capacity == ()) == (path == "grouped")

@@ -1,4 +1,5 @@
-"""The MoE paths: capacity-grouped == dense when nothing overflows; overflow is flagged and rerun densely."""
+"""The MoE paths: grouped == dense always (every rank's share, padding skipped); on the static path,
+capacity-grouped == dense when nothing overflows, and an overflow is flagged and rerun densely."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import torch
 
 from checkpoints import hf_greedy, hf_logits, hf_model
 from deepinfer.common.model_config import ModelConfig
-from deepinfer.compile.model import RegionSpec, experts_capacity, experts_dense, experts_gather, route
+from deepinfer.compile.model import (RegionSpec, experts_capacity, experts_dense, experts_gather, experts_grouped,
+                                     route)
+from deepinfer.runtime import ops
 from deepinfer.runtime.artifact import open_artifact
 from deepinfer.runtime.engine import Engine, make_runner
 from deepinfer.runtime.sequence import SamplingParams
@@ -106,3 +109,56 @@ def test_padding_takes_no_capacity(checkpoints):
     assert bool(overflow_if_counted)
     dense = experts_dense(_spec(m, T, 0), x, ids, weights, w)
     torch.testing.assert_close(out_pad[:8], dense[:8], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 5, 24])
+def test_grouped_equals_dense(checkpoints, T):
+    m, w, x = _setup(checkpoints, T=T, seed=T)
+    ids, weights = route(m, x, w)
+    spec = RegionSpec(m, "moe_layer", "decode", T, 0, 16, moe_path="grouped")
+    torch.testing.assert_close(experts_grouped(spec, x, ids, weights, w), experts_dense(spec, x, ids, weights, w),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_expert_parallel_shares_sum_to_dense(checkpoints):
+    """Each EP rank computes only its own experts' pairs; the ranks' outputs sum to the single-rank result."""
+    m, w, x = _setup(checkpoints, T=24, seed=4)
+    ids, weights = route(m, x, w)
+    E = m.n_routed_experts
+    full = experts_dense(RegionSpec(m, "moe_layer", "decode", 24, 0, 16), x, ids, weights, w)
+    total = torch.zeros_like(full)
+    for r in range(2):
+        lo, hi = r * E // 2, (r + 1) * E // 2
+        wr = dict(w, **{"moe.experts_gate_up": w["moe.experts_gate_up"][lo:hi],
+                        "moe.experts_down": w["moe.experts_down"][lo:hi], "rank.expert_ids": torch.arange(lo, hi)})
+        total += experts_grouped(RegionSpec(m, "moe_layer", "decode", 24, 0, 16, ep=2, world=2,
+                                            moe_path="grouped"), x, ids, weights, wr)
+    torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_skips_padding(checkpoints):
+    """Padding rows are not computed: their outputs are exactly zero, the real rows match dense."""
+    m, w, x = _setup(checkpoints, T=16, seed=5)
+    ids, weights = route(m, x, w)
+    real = torch.arange(16) < 9
+    spec = RegionSpec(m, "moe_layer", "prefill", 16, 0, 16, moe_path="grouped")
+    out = experts_grouped(spec, x, ids, weights, w, real)
+    assert torch.count_nonzero(out[9:]) == 0
+    torch.testing.assert_close(out[:9], experts_dense(spec, x, ids, weights, w)[:9], rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_mm_fallback_matches_native():
+    """The masked-loop fallback (devices or dtypes without torch._grouped_mm) computes the same rows."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(11, 8, generator=g), torch.randn(3, 8, 5, generator=g)
+    offs = torch.tensor([2, 2, 9], dtype=torch.int32)               # an empty group; rows 9, 10 in none
+    ref = torch.cat([x[:2] @ w[0], x[2:9] @ w[2]])
+    torch.testing.assert_close(torch.ops.deepinfer.grouped_mm(x, w, offs)[:9], ref)
+    key = (x.device.type, x.dtype)
+    ops._NATIVE_FAILED.add(key)
+    try:
+        out = torch.ops.deepinfer.grouped_mm(x, w, offs)
+    finally:
+        ops._NATIVE_FAILED.discard(key)
+    torch.testing.assert_close(out[:9], ref)
+    assert torch.count_nonzero(out[9:]) == 0
