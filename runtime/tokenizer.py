@@ -47,21 +47,28 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing token list, emitted only once complete (a partial UTF-8 sequence is held back)."""
+    """Text of a growing token list, emitted only once complete (a partial UTF-8 sequence is held back).
+
+    Each step decodes a short window, not the whole output (which would make a long generation quadratic):
+    the tokens since `prefix` give the context for the newest ones, and the text the window decoded up to
+    `read` is what was already emitted from it (the scheme text-generation-inference and vLLM use)."""
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
         self.ids: list[int] = []
         self.text = ""
+        self.prefix = 0          # window start: a few tokens of context before the unread ones
+        self.read = 0            # tokens whose text is already in self.text
 
     def add(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
-        full = self.tok.decode(self.ids)
-        if full.endswith("\ufffd"):
-            return ""
-        # Byte-level BPE text only grows at the end; if a merge ever rewrote earlier text, emit nothing new.
-        new = full[len(self.text):] if full.startswith(self.text) else ""
-        self.text = full
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        window = self.tok.decode(self.ids[self.prefix:])
+        if window.endswith("\ufffd") or len(window) <= len(before) or not window.startswith(before):
+            return ""            # an incomplete UTF-8 sequence, nothing new yet, or a merge rewrote the window
+        new = window[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += new
         return new
 
     def flush(self) -> str:

@@ -107,3 +107,26 @@ def test_abort_frees_blocks(engine):
     assert engine.scheduler.blocks.num_used > 0
     engine.abort(s)
     assert engine.scheduler.blocks.num_used == 0 and not engine.has_work and s.finish_reason == "abort"
+
+
+def test_incremental_detokenizer_streams_the_full_text_from_short_windows():
+    """Streamed pieces concatenate to the full decode (multi-byte characters held back until complete), and
+    each step decodes a few tokens, not the whole output (which made long generations quadratic)."""
+    import random
+    from deepinfer.compile.options import DEMO_MODEL
+    from deepinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+    tok = Tokenizer(DEMO_MODEL / "tokenizer.json", DEMO_MODEL / "tokenizer_config.json", None)
+    lengths: list[int] = []
+    decode = tok.decode
+    tok.decode = lambda ids: (lengths.append(len(ids)), decode(ids))[1]
+    rng = random.Random(0)
+    cases = [tok.encode("naïve café — 日本語 🤖 text\n\twith  spaces", add_special_tokens=False)]
+    cases += [[rng.randrange(2, tok.vocab_size) for _ in range(400)] for _ in range(5)]
+    for ids in cases:
+        det = IncrementalDetokenizer(tok)
+        lengths.clear()
+        streamed = "".join(det.add([i]) for i in ids)
+        assert max(lengths) < 40           # short windows, whatever the output length
+        full = decode(ids)
+        assert full.startswith(streamed) and len(full) - len(streamed) <= 4
+        assert det.flush() == full

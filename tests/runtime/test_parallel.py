@@ -121,7 +121,9 @@ def _count_collectives(art, name: str) -> dict[str, int]:
 def test_collectives_per_moe_layer(checkpoints, compile_artifact):
     art = compile_artifact(checkpoints["base"], cp=2, ep=2)
     assert _count_collectives(art, "moe_layer.decode.t4.c64") == {"all_gather_into_tensor": 1, "all_reduce:sum": 1}
-    assert _count_collectives(art, "moe_layer.prefill.t32.c64") == {
+    assert _count_collectives(art, "moe_layer.prefill.t32.c64") == {"all_gather_into_tensor": 1, "all_reduce:sum": 1}
+    static = compile_artifact(checkpoints["base"], cp=2, ep=2, moe_path="static")     # + the overflow flag's max
+    assert _count_collectives(static, "moe_layer.prefill.t32.c64") == {
         "all_gather_into_tensor": 1, "all_reduce:sum": 1, "all_reduce:max": 1}
     assert _count_collectives(art, "dense_layer.decode.t4.c64") == {"all_gather_into_tensor": 1}
     assert _count_collectives(art, "head.decode.t4") == {}
