@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+# As vLLM: temperatures this small are greedy (dividing logits by them overflows to inf).
+GREEDY_BELOW = 1e-5
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -23,8 +26,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        # as vLLM: temperatures this small are greedy (dividing logits by them overflows to inf)
-        return self.temperature < 1e-5
+        return self.temperature < GREEDY_BELOW
 
 
 class Status(enum.Enum):

@@ -20,7 +20,7 @@ from .engine import Engine
 from .engine_loop import EngineLoop, Stream, TokenEvent
 from .metrics import Metrics
 from .protocol import CompletionRequest, error_body, new_id, now
-from .sequence import SamplingParams
+from .sequence import GREEDY_BELOW, SamplingParams
 from .tokenizer import Tokenizer, no_tokenizer
 
 log = logging.getLogger("deepinfer.server")
@@ -197,8 +197,9 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             raise RequestError("field 'stream_options' is only allowed with 'stream': true")
         if req.stop and tok is None:
             raise no_tokenizer("stop strings")
-        if req.n > 1 and req.temperature == 0:
-            raise RequestError("n > 1 with temperature 0 would return identical choices; use a temperature > 0")
+        if req.n > 1 and req.temperature < GREEDY_BELOW:
+            raise RequestError(f"n > 1 with temperature {req.temperature} (greedy below {GREEDY_BELOW}) would return "
+                               f"identical choices; use a higher temperature")
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = limit - max(len(p) for p in prompts)

@@ -128,6 +128,8 @@ def test_served_greedy_equals_offline_run_also_under_32_concurrent(server):
     ({"prompt": "x", "seed": 2 ** 64}, "seed"),                  # beyond int64: torch's generator would raise
     ({"prompt": "x", "seed": 2 ** 63 - 1, "n": 2}, "seed"),      # seed + 1 for the second choice overflows
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "n": 2, "temperature": 0}, "identical choices"),
+    ({"prompt": "x", "n": 2, "temperature": 1e-6}, "identical choices"),   # greedy too
 ])
 def test_bad_requests_get_openai_errors(server, body, fragment):
     r = post(server, body)
