@@ -56,20 +56,31 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
     return [_plan(name, spec, cc) for name, spec in specs.items()]
 
 
+# On the CPU torch._grouped_mm runs one GEMM per expert; below this much work per (token, expert) row, a decode
+# bucket's few rows per expert cost less as one wide GEMM over all experts (see moe_path).
+CPU_GROUPED_MIN_ROW_FLOPS = 1_000_000
+
+
 def moe_path(m: ModelConfig, cc: CompileConfig, kind: str, tokens: int) -> str:
-    """Grouped path: every bucket grouped, except decode buckets on the CPU, which take the static decode choice:
-    torch._grouped_mm runs one small GEMM per expert there, and for a few rows each, its sort and per-call
-    overheads lose to both one wide GEMM over all experts and a gather of the chosen experts (demo model, 2
-    threads: b=1 decode 1.2-1.7 ms/token gathered vs 1.8-2.1 grouped; T=16 dense faster too). On the static path
-    prefill chunks are capacity-grouped, and a decode bucket is dense (every local expert read once) or gathered
-    (one expert per (token, choice)), whichever reads fewer weights."""
+    """Which MoE form a graph bakes in.
+
+    Static path: prefill chunks capacity-grouped; a decode bucket dense (every local expert read once) or
+    gathered (one expert per (token, choice)), whichever reads fewer weights. Grouped path: every bucket grouped,
+    except on the CPU, where decode buckets keep the static choice unless it is dense and the experts are big.
+    Measured there (2 threads): the gathered form compiles to one fused gather-matvec that reads each chosen
+    expert once, faster than grouped at T=1 (demo model 1.2-1.7 vs 1.8-2.1 ms/token; `mid` benchmark model 2.5
+    vs 3.4 ms per MoE layer); at T=16 the demo model's small experts (0.2 MFLOP a row) are faster dense, while
+    the `mid` model's (3.1 MFLOP a row) are faster grouped (79-88 vs 61-69 tok/s at 16 sequences)."""
     if cc.moe_path == "grouped" and (kind == PREFILL or cc.backend not in ("cpu", "eager")):
         return "grouped"
     if kind == PREFILL:
         return "capacity"
     if cc.moe_decode_path != "auto":
         return cc.moe_decode_path
-    return "gather" if tokens * m.num_experts_per_tok < m.n_routed_experts // cc.ep else "dense"
+    if tokens * m.num_experts_per_tok < m.n_routed_experts // cc.ep:
+        return "gather"
+    row_flops = 2 * m.hidden_size * 3 * m.moe_intermediate_size
+    return "grouped" if cc.moe_path == "grouped" and row_flops >= CPU_GROUPED_MIN_ROW_FLOPS else "dense"
 
 
 def _plan(name: str, spec: RegionSpec, cc: CompileConfig) -> GraphPlan:

@@ -162,3 +162,24 @@ def test_grouped_mm_fallback_matches_native():
         ops._NATIVE_FAILED.discard(key)
     torch.testing.assert_close(out[:9], ref)
     assert torch.count_nonzero(out[9:]) == 0
+
+
+def test_moe_path_per_bucket(checkpoints):
+    """The MoE form each graph bakes in: grouped prefill; on the CPU, decode gathers when few experts are
+    chosen, else runs dense (small experts) or grouped (big ones); on CUDA every bucket is grouped."""
+    import dataclasses
+    from pathlib import Path
+    from deepinfer.compile.graphs import moe_path
+    from deepinfer.compile.options import CompileOptions, resolve
+    small = ModelConfig.from_file(checkpoints["base"] / "config.json")          # 8 experts, top-2
+    big = dataclasses.replace(small, hidden_size=1024, moe_intermediate_size=512)
+    def cc(**kw):
+        return resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128, **kw), small)
+    cpu, cuda, static = cc(), cc(backend="cuda"), cc(moe_path="static")
+    assert moe_path(small, cpu, "prefill", 32) == moe_path(big, cuda, "prefill", 32) == "grouped"
+    assert moe_path(small, static, "prefill", 32) == "capacity"
+    assert moe_path(small, cpu, "decode", 2) == moe_path(big, cpu, "decode", 2) == "gather"     # 4 pairs < 8
+    assert moe_path(small, cpu, "decode", 8) == moe_path(big, static, "decode", 8) == "dense"
+    assert moe_path(big, cpu, "decode", 8) == "grouped"
+    assert moe_path(small, cuda, "decode", 1) == moe_path(small, cuda, "decode", 8) == "grouped"
+    assert moe_path(big, cc(moe_decode_path="dense"), "decode", 8) == "dense"
