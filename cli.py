@@ -79,7 +79,7 @@ def _env_int(name: str) -> int | None:
 @click.option("--moe-capacity", type=int, default=None,
               help="Static path: tokens one expert takes per prefill chunk.")
 @click.option("--capacity-factor", type=float, default=2.0, show_default=True,
-              help="Capacity = factor * T * top_k / n_experts, when --moe-capacity is not given.")
+              help="Static path: capacity = factor * T * top_k / n_experts, when --moe-capacity is not given.")
 @click.option("--moe-decode-path", type=click.Choice(["auto", "dense", "gather"]), default="auto", show_default=True,
               help="Decode MoE on the static path and on the CPU: every local expert (dense) or the chosen ones "
                    "(gather); auto: gather when T*top_k < local experts.")

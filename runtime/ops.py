@@ -19,8 +19,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     values are unspecified, and callers mask them.
 
     Static shapes with a data-dependent split: each routed (token, expert) pair is computed exactly once, with
-    no capacity to overflow. torch._grouped_mm does it natively (CPU in any float dtype on torch >= 2.12, CUDA
-    in bf16 on sm90+); elsewhere a masked loop over the groups gives the same result (G full GEMMs, no host
+    no capacity to overflow. torch._grouped_mm does it natively (CPU in fp32 and bf16: checked on torch 2.13;
+    CUDA in bf16 on sm90+); elsewhere a masked loop over the groups gives the same result (G full GEMMs, no host
     sync, so it stays CUDA-graph safe)."""
     key = (x.device.type, x.dtype)
     if key not in _NATIVE_FAILED and hasattr(torch, "_grouped_mm"):
