@@ -5,9 +5,7 @@ shapes), and AOTInductor packages call them back through the dispatcher, so ever
 imports this module first (runtime/artifact.py does).
 """
 
-from __future__ import annotations
-
-import torch
+import torch   # no `from __future__ import annotations`: custom_op reads the annotations as real types
 
 _NATIVE_FAILED: set[tuple[str, torch.dtype]] = set()
 
