@@ -44,7 +44,7 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
                 add(region, DECODE, T, C)
         add(HEAD, DECODE, T)
     grouped = cc.moe_path == "grouped"
-    for T, cap in zip(cc.prefill_buckets, (0,) * len(cc.prefill_buckets) if grouped else cc.moe_capacity):
+    for T, cap in zip(cc.prefill_buckets, cc.moe_capacity or (0,) * len(cc.prefill_buckets)):
         add(EMBED, PREFILL, T)
         for C in cc.context_buckets:
             if C >= T:

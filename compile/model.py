@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..common.manifest import DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER, PREFILL
+from ..common.manifest import DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER
 from ..common.model_config import ModelConfig
 from ..runtime import ops  # noqa: F401  (registers torch.ops.deepinfer.grouped_mm)
 
@@ -367,14 +367,10 @@ def layer_region(spec: RegionSpec, hidden: torch.Tensor, positions: torch.Tensor
     x = rms_norm(h, w["post_attention_layernorm"], m.rms_norm_eps)
     if spec.region == DENSE_LAYER:
         return h + swiglu(x, w["mlp.gate_up"], w["mlp.down"])
-    if spec.moe_path == "grouped":
-        out, _ = moe(spec, x, w, comm, "grouped", real=slot_mapping >= 0)
-        return h + out
-    if spec.kind == PREFILL:
-        out, overflow = moe(spec, x, w, comm, "capacity", real=slot_mapping >= 0)
-        return h + out, h, overflow
-    out, _ = moe(spec, x, w, comm, spec.moe_path)
-    return h + out
+    # Grouped and capacity paths skip padding rows; dense and gather compute them and the step drops them.
+    real = slot_mapping >= 0 if spec.moe_path in ("grouped", "capacity") else None
+    out, overflow = moe(spec, x, w, comm, spec.moe_path, real)
+    return (h + out, h, overflow) if spec.moe_path == "capacity" else h + out
 
 
 def moe_dense_region(spec: RegionSpec, h_mid: torch.Tensor, w: Weights, comm: Comm = SINGLE_RANK) -> torch.Tensor:

@@ -127,25 +127,21 @@ def resolve(o: CompileOptions, m: ModelConfig) -> CompileConfig:
                               "use --moe-path static (or auto)")
         if o.moe_capacity is not None:
             raise OptionError("--moe-capacity: only for --moe-path static (this is --moe-path grouped)")
-    if moe_path == "grouped":
-        return CompileConfig(backend=o.backend, dtype=o.dtype, cp=o.cp, ep=o.ep, decode_buckets=decode,
-                             prefill_buckets=prefill, context_buckets=ctx, context_limit=limit,
-                             block_size=o.block_size, num_kv_blocks=nkv, moe_capacity=(), capacity_factor=None,
-                             moe_decode_path=path, moe_path="grouped", neuron_target=o.neuron_target)
 
     K, E = m.num_experts_per_tok, m.n_routed_experts
-    if o.moe_capacity is not None:
+    caps, factor = (), None                      # the grouped path has no capacity
+    if moe_path == "static" and o.moe_capacity is not None:
         if o.moe_capacity < 1:
             raise OptionError(f"--moe-capacity={o.moe_capacity} must be >= 1")
         caps = tuple(min(o.moe_capacity, T) for T in prefill)
-    else:
+    elif moe_path == "static":
         caps = tuple(min(T, max(1, math.ceil(o.capacity_factor * T * K / E))) for T in prefill)
+        factor = o.capacity_factor
 
     return CompileConfig(backend=o.backend, dtype=o.dtype, cp=o.cp, ep=o.ep, decode_buckets=decode,
                          prefill_buckets=prefill, context_buckets=ctx, context_limit=limit,
-                         block_size=o.block_size, num_kv_blocks=nkv, moe_capacity=caps,
-                         capacity_factor=None if o.moe_capacity is not None else o.capacity_factor,
-                         moe_decode_path=path, moe_path="static", neuron_target=o.neuron_target)
+                         block_size=o.block_size, num_kv_blocks=nkv, moe_capacity=caps, capacity_factor=factor,
+                         moe_decode_path=path, moe_path=moe_path, neuron_target=o.neuron_target)
 
 
 def _buckets(flag: str, values: tuple[int, ...], limit: int) -> tuple[int, ...]:
