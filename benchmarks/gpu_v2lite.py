@@ -1,7 +1,7 @@
 """GPU benchmark at DeepSeek-V2-Lite size: our cuda backend vs transformers on the same random bf16 weights.
 
-    python benchmarks/gpu_v2lite.py --out $OUT/gpu_table.md            # on the H200 (one device call)
-    python benchmarks/gpu_v2lite.py --tiny --device cpu                 # the same code path at toy size
+    python benchmarks/gpu_v2lite.py --budget-s 420 --out $OUT/gpu_table.md   # on the H200 (one device call)
+    python benchmarks/gpu_v2lite.py --tiny --device cpu                       # the same code path at toy size
 
 Builds the V2-Lite-size config (configs/v2lite-size/config.json) with random bf16 weights directly on the
 device (no checkpoint on disk: 31 GB would not fit the call), converts transformers' tensors to our per-rank
@@ -9,6 +9,10 @@ layout in memory with the compiler's own weight plan, exports our region graphs,
 (torch.compile of the exported programs: the path that works with torch 2.11 + CUDA 13, where loading
 AOTInductor packages segfaults), replays decode steps as CUDA graphs, and prints TTFT (512 and 2048-token
 prompts) and TPOT (batch 1, 8, 32) for both engines, with the bandwidth roofline beside each TPOT.
+
+Rows come in priority order (batch-1 TPOT, short TTFT, batch-32 TPOT, long TTFT, the rest) and the table is
+rewritten after each one, so a device call cut short by its time limit still returns what it measured;
+`--budget-s` stops starting new rows once spent (first compiles dominate: every graph compiles at first use).
 """
 
 from __future__ import annotations
@@ -92,61 +96,70 @@ def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: t
     return hf, Engine(manifest, runner, None), m
 
 
-def bench_ours(engine, dev, vocab: int, ttft_lens, batches, n: int) -> dict:
-    from deepinfer.runtime.sequence import SamplingParams
-    g = torch.Generator().manual_seed(1)
-
-    def prompts(b, length):
-        return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(b)]
-
-    def timed(ps, k):
-        sync(dev)
-        t = time.perf_counter()
-        engine.generate(ps, SamplingParams(max_tokens=k, ignore_eos=True))
-        sync(dev)
-        return time.perf_counter() - t
-
-    out = {}
-    for length in ttft_lens:
-        timed(prompts(1, length), 1)                     # compile + warm
-        out[f"ttft_{length}"] = min(timed(prompts(1, length), 1) for _ in range(2))
-    for b in batches:
-        timed(prompts(b, 32), 4)                         # compile, capture the CUDA graphs
-        t1 = min(timed(prompts(b, 32), 1) for _ in range(2))
-        tn = min(timed(prompts(b, 32), n + 1) for _ in range(2))
-        out[f"tpot_{b}"] = (tn - t1) / n
-    return out
+def random_prompts(g: torch.Generator, b: int, length: int, vocab: int) -> list[list[int]]:
+    return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(b)]
 
 
-@torch.inference_mode()
-def bench_hf(hf, dev, vocab: int, ttft_lens, batches, n: int) -> dict:
-    try:
-        hf.set_experts_implementation("grouped_mm")
-    except Exception as e:
-        print(f"transformers: grouped_mm experts unavailable ({e}); default experts", flush=True)
-    out = {}
+def timed(dev: torch.device, fn) -> float:
+    sync(dev)
+    t = time.perf_counter()
+    fn()
+    sync(dev)
+    return time.perf_counter() - t
 
-    def timed(fn):
-        sync(dev)
-        t = time.perf_counter()
-        fn()
-        sync(dev)
-        return time.perf_counter() - t
 
-    for length in ttft_lens:
-        x = torch.randint(2, vocab, (1, length), device=dev)
-        timed(lambda: hf(x))
-        out[f"ttft_{length}"] = min(timed(lambda: hf(x)) for _ in range(2))
-    for b in batches:
-        x = torch.randint(2, vocab, (b, 32), device=dev)
+class Ours:
+    """Our engine: TTFT is a one-token generate; TPOT the extra time of n more tokens over a batch of
+    32-token prompts, divided by n (prompts that short run as prompt-as-decode steps)."""
+
+    def __init__(self, engine, dev: torch.device, vocab: int, n: int):
+        self.engine, self.dev, self.vocab, self.n = engine, dev, vocab, n
+        self.g = torch.Generator().manual_seed(1)
+
+    def _gen(self, ps, k: int) -> float:
+        from deepinfer.runtime.sequence import SamplingParams
+        return timed(self.dev, lambda: self.engine.generate(ps, SamplingParams(max_tokens=k, ignore_eos=True)))
+
+    def ttft(self, length: int) -> float:
+        self._gen(random_prompts(self.g, 1, length, self.vocab), 1)          # compile + warm
+        return min(self._gen(random_prompts(self.g, 1, length, self.vocab), 1) for _ in range(2))
+
+    def tpot(self, b: int) -> float:
+        self._gen(random_prompts(self.g, b, 32, self.vocab), 4)             # compile, capture the CUDA graphs
+        t1 = min(self._gen(random_prompts(self.g, b, 32, self.vocab), 1) for _ in range(2))
+        tn = min(self._gen(random_prompts(self.g, b, 32, self.vocab), self.n + 1) for _ in range(2))
+        return (tn - t1) / self.n
+
+
+class Transformers:
+    """transformers on the same weights: TTFT is one forward over the prompt, TPOT from `generate`."""
+
+    def __init__(self, hf, dev: torch.device, vocab: int, n: int):
+        self.hf, self.dev, self.vocab, self.n = hf, dev, vocab, n
+        try:
+            hf.set_experts_implementation("grouped_mm")
+            self.note = "grouped_mm experts"
+        except Exception as e:
+            print(f"transformers: grouped_mm experts unavailable ({e}); default experts", flush=True)
+            self.note = "default experts"
+
+    @torch.inference_mode()
+    def ttft(self, length: int) -> float:
+        x = torch.randint(2, self.vocab, (1, length), device=self.dev)
+        timed(self.dev, lambda: self.hf(x))
+        return min(timed(self.dev, lambda: self.hf(x)) for _ in range(2))
+
+    @torch.inference_mode()
+    def tpot(self, b: int) -> float:
+        x = torch.randint(2, self.vocab, (b, 32), device=self.dev)
 
         def gen(k):
-            return hf.generate(x, max_new_tokens=k, min_new_tokens=k, do_sample=False)
-        timed(lambda: gen(2))
-        t1 = timed(lambda: gen(1))
-        tn = timed(lambda: gen(n + 1))
-        out[f"tpot_{b}"] = (tn - t1) / n
-    return out
+            return self.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k,
+                                    do_sample=False)
+        timed(self.dev, lambda: gen(2))
+        t1 = timed(self.dev, lambda: gen(1))
+        tn = timed(self.dev, lambda: gen(self.n + 1))
+        return (tn - t1) / self.n
 
 
 def roofline(m, dev, batches) -> tuple[float, dict]:
@@ -181,9 +194,13 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="shrink the config (a CPU check of the code path)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per TPOT")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="stop starting new measurements after this many seconds (0: no limit); the rows not "
+                         "measured are listed as skipped")
+    ap.add_argument("--out", default=None, help="write the table (markdown) here, rewritten after every row")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    t0 = time.monotonic()
     dev = torch.device(args.device)
     cfg = json.loads(Path(args.config).read_text())
     ttft_lens, batches = (512, 2048), (1, 8, 32)
@@ -192,27 +209,39 @@ def main() -> None:
         ttft_lens, batches = (64, 256), (1, 4)
     hf, engine, m = build(cfg, dev, decode=tuple(batches), prefill=(min(512, ttft_lens[-1]),),
                           limit=max(ttft_lens) + 64 if not args.tiny else 512)
-    ours = bench_ours(engine, dev, m.vocab_size, ttft_lens, batches, args.tokens)
-    ref = {} if args.skip_hf else bench_hf(hf, dev, m.vocab_size, ttft_lens, batches, args.tokens)
     bw, roof = roofline(m, dev, batches)
+    ours = Ours(engine, dev, m.vocab_size, args.tokens)
+    ref = None if args.skip_hf else Transformers(hf, dev, m.vocab_size, args.tokens)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     lines = [f"{name}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s, {m.num_hidden_layers} layers, "
-             f"{m.n_routed_experts} experts top-{m.num_experts_per_tok}, bf16 random weights", "",
+             f"{m.n_routed_experts} experts top-{m.num_experts_per_tok}, bf16 random weights"
+             + (f", transformers with {ref.note}" if ref else ""), "",
              "| metric | deepinfer (cuda) | transformers | speedup | roofline |", "| --- | ---: | ---: | ---: | ---: |"]
-    for length in ttft_lens:
-        k = f"ttft_{length}"
-        r = ref.get(k)
-        lines.append(f"| TTFT {length} tokens | {ours[k] * 1e3:.1f} ms | {r * 1e3:.1f} ms | {r / ours[k]:.2f}x | |"
-                     if r else f"| TTFT {length} tokens | {ours[k] * 1e3:.1f} ms | - | - | |")
-    for b in batches:
-        k = f"tpot_{b}"
-        r = ref.get(k)
-        thr = f"{r / ours[k]:.2f}x" if r else "-"
-        lines.append(f"| TPOT batch {b} | {ours[k] * 1e3:.2f} ms | {r * 1e3:.2f} ms | {thr} | {roof[b] * 1e3:.2f} ms |"
-                     if r else f"| TPOT batch {b} | {ours[k] * 1e3:.2f} ms | - | - | {roof[b] * 1e3:.2f} ms |")
-    print("\n".join(lines))
-    if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+
+    def emit(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+        if args.out:
+            Path(args.out).write_text("\n".join(lines) + "\n")
+
+    print("\n".join(lines), flush=True)
+    # The headline numbers first, so that a call cut short by its time limit still has them.
+    plan = [("tpot", batches[0]), ("ttft", ttft_lens[0]), ("tpot", batches[-1]), ("ttft", ttft_lens[-1])]
+    plan += [("tpot", b) for b in batches[1:-1]]
+    for what, x in plan:
+        label = f"TPOT batch {x}" if what == "tpot" else f"TTFT {x} tokens"
+        if args.budget_s and time.monotonic() - t0 > args.budget_s:
+            emit(f"| {label} | skipped (budget {args.budget_s:.0f} s spent) | | | |")
+            continue
+        t = time.monotonic()
+        mine = getattr(ours, what)(x)
+        theirs = getattr(ref, what)(x) if ref else None
+        roof_s = f"{roof[x] * 1e3:.2f} ms" if what == "tpot" else ""
+        fmt = (lambda v: f"{v * 1e3:.2f} ms") if what == "tpot" else (lambda v: f"{v * 1e3:.1f} ms")
+        emit(f"| {label} | {fmt(mine)} | {fmt(theirs) if theirs else '-'} | "
+             f"{f'{theirs / mine:.2f}x' if theirs else '-'} | {roof_s} |")
+        print(f"  ({label}: {time.monotonic() - t:.0f} s, compiles included; {time.monotonic() - t0:.0f} s so far)",
+              flush=True)
 
 
 if __name__ == "__main__":

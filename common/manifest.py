@@ -10,7 +10,7 @@ from . import serde
 from .errors import ArtifactError
 from .model_config import ModelConfig
 
-SCHEMA_VERSION = 2          # 2: compile.moe_path (grouped | static)
+SCHEMA_VERSION = 3          # 2: compile.moe_path (grouped | static); 3: packed prefill (context_starts input)
 MANIFEST_FILE = "manifest.json"
 
 # Step kinds: prompt-as-decode (small T, one block-table row per token)
@@ -55,6 +55,11 @@ class CompileConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return self.context_limit // self.block_size
+
+    def prefill_seqs(self, tokens: int) -> int:
+        """Sequences one prefill chunk of `tokens` may pack (its head graph's logit rows): at most every sequence
+        that can run at once, which is the largest decode bucket."""
+        return min(tokens, max(self.decode_buckets))
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def _plan(name: str, spec: RegionSpec, cc: CompileConfig) -> GraphPlan:
         inputs = [TensorSpec("token_ids", (T,), i64)]
         outputs = ("hidden",)
     elif spec.region == HEAD:
-        L = T if spec.kind == DECODE else 1
+        L = T if spec.kind == DECODE else cc.prefill_seqs(T)
         inputs = [TensorSpec("hidden", (T, D), dt), TensorSpec("logit_indices", (L,), i64)]
         outputs = ("logits",)
     elif spec.region == MOE_DENSE:
@@ -103,6 +103,8 @@ def _plan(name: str, spec: RegionSpec, cc: CompileConfig) -> GraphPlan:
         inputs = [TensorSpec("hidden", (T, D), dt), TensorSpec("positions", (T,), i64),
                   TensorSpec("slot_mapping", (T,), i64), TensorSpec("block_tables", (spec.rows, B), i64),
                   TensorSpec("kv_cache", (cc.kv_blocks_per_rank + 1, cc.block_size, m.kv_cache_dim), dt)]
+        if spec.kind == PREFILL:       # packed sequences: each token's sequence's first slot in the chunk's context
+            inputs.append(TensorSpec("context_starts", (T,), i64))
         outputs = (("hidden", "h_mid", "overflow") if spec.region == MOE_LAYER and spec.moe_path == "capacity"
                    else ("hidden",))
     keys = region_weight_keys(m, spec.region, cc.cp, cc.ep, cc.world)
@@ -154,7 +156,8 @@ class RegionModule(torch.nn.Module):
         *step, weights = args
         if self.spec.region in (EMBED, HEAD):
             return self.fn(self.spec, *step, weights)
-        return self.fn(self.spec, *step, weights, self.comm)
+        # layers: hidden, positions, slot_mapping, block_tables, kv_cache [, context_starts (prefill)]
+        return self.fn(self.spec, *step[:5], weights, self.comm, *step[5:])
 
 
 def example_inputs(plan: GraphPlan, device: str = "cpu") -> tuple:

@@ -135,11 +135,14 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 
 # -- MLA attention -----------------------------------------------------------------------------
 def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                  block_tables: torch.Tensor, kv_cache: torch.Tensor, w: Weights, comm: Comm) -> torch.Tensor:
+                  block_tables: torch.Tensor, kv_cache: torch.Tensor, w: Weights, comm: Comm,
+                  context_starts: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed multi-head latent attention over the paged latent pool; writes this step's KV in place.
 
     x [T, D] (already normed) -> [T, D]. kv_cache [NB + 1, bs, Dc]; the last block is the trash block
-    that padding tokens and KV this CP rank does not own are written to.
+    that padding tokens and KV this CP rank does not own are written to. A prefill chunk packs several
+    sequences: its one table row is their block lists back to back, and a token attends to the keys from its
+    own sequence's first slot (`context_starts` [T]) up to its own position.
     """
     m = spec.model
     T, H = x.shape[0], m.num_attention_heads
@@ -173,7 +176,11 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
     tbl = torch.where(tbl_owned, _local_block(block_tables, spec.cp), trash)
     ctx = kv_cache[tbl].flatten(1, 2)                                        # [R, C, Dc]
     key_pos = torch.arange(spec.context, device=x.device)
-    valid = key_pos[None, :] <= positions[:, None]                           # [T, C]
+    if context_starts is None:
+        valid = key_pos[None, :] <= positions[:, None]                       # [T, C]
+    else:
+        rel = key_pos[None, :] - context_starts[:, None]                     # key position within the token's sequence
+        valid = (rel >= 0) & (rel <= positions[:, None])
     if spec.cp > 1:
         valid = valid & tbl_owned.repeat_interleave(bs, dim=1)              # R broadcasts (1 or T)
 
@@ -187,8 +194,8 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         o_lat = _attend(spec, scores, lambda p: torch.bmm(p.to(c_ctx.dtype), c_ctx).float(), comm)
         o = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), w["attn.w_uv"])
     else:
-        # Prefill chunk of one sequence: expand its context's latents to per-head keys and values once
-        # (cheaper than the absorbed form when many queries share one context, and transformers' own form).
+        # Prefill chunk: expand the packed context's latents to per-head keys and values once (cheaper than
+        # the absorbed form when many queries share one context, and transformers' own form).
         c_ctx, k_pe_ctx = ctx[0, :, :kvr], ctx[0, :, kvr:]
         k_nope = torch.einsum("cl,hdl->chd", c_ctx, w["attn.w_uk"])                      # [C, H, dn]
         v = torch.einsum("cl,hvl->chv", c_ctx, w["attn.w_uv"])                           # [C, H, dv]
@@ -359,11 +366,13 @@ def embed_region(spec: RegionSpec, token_ids: torch.Tensor, w: Weights) -> torch
 
 
 def layer_region(spec: RegionSpec, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, kv_cache: torch.Tensor, w: Weights, comm: Comm = SINGLE_RANK):
-    """One decoder layer -> h. MoE layers on the static path in prefill chunks return (h, h_mid, overflow)."""
+                 block_tables: torch.Tensor, kv_cache: torch.Tensor, w: Weights, comm: Comm = SINGLE_RANK,
+                 context_starts: torch.Tensor | None = None):
+    """One decoder layer -> h. MoE layers on the static path in prefill chunks return (h, h_mid, overflow).
+    `context_starts` (prefill chunks only): each token's sequence's first slot in the packed context."""
     m = spec.model
     h = hidden + mla_attention(spec, rms_norm(hidden, w["input_layernorm"], m.rms_norm_eps),
-                               positions, slot_mapping, block_tables, kv_cache, w, comm)
+                               positions, slot_mapping, block_tables, kv_cache, w, comm, context_starts)
     x = rms_norm(h, w["post_attention_layernorm"], m.rms_norm_eps)
     if spec.region == DENSE_LAYER:
         return h + swiglu(x, w["mlp.gate_up"], w["mlp.down"])

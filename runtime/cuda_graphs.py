@@ -44,7 +44,7 @@ class StepGraphs:
             self.graphs[key] = self._capture(si)
         g, static, out = self.graphs[key]
         for buf, src in zip(static, (si.token_ids, si.positions, si.slot_mapping, si.block_tables,
-                                     si.logit_indices)):
+                                     si.logit_indices, si.context_starts)):
             buf.copy_(torch.from_numpy(src), non_blocking=True)
         g.replay()
         return out

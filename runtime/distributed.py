@@ -43,7 +43,7 @@ def record_size(m: Manifest) -> int:
     cc = m.compile
     T = max(cc.decode_buckets + cc.prefill_buckets)
     B = cc.context_limit // cc.block_size
-    return _HEADER + 3 * T + T * B + T
+    return _HEADER + 4 * T + T * B + T
 
 
 def pack(si: StepInputs | None, step: int, out: np.ndarray) -> None:
@@ -55,7 +55,8 @@ def pack(si: StepInputs | None, step: int, out: np.ndarray) -> None:
     L = len(si.logit_indices)
     out[:_HEADER] = [_KINDS[si.kind], T, si.context, R, B, L, si.num_logits, step]
     o = _HEADER
-    for arr in (si.token_ids, si.positions, si.slot_mapping, si.block_tables.reshape(-1), si.logit_indices):
+    for arr in (si.token_ids, si.positions, si.slot_mapping, si.block_tables.reshape(-1), si.logit_indices,
+                si.context_starts):
         out[o:o + arr.size] = arr
         o += arr.size
 
@@ -66,12 +67,12 @@ def unpack(buf: np.ndarray) -> tuple[StepInputs | None, int]:
         return None, step
     o = _HEADER
     parts = []
-    for size in (T, T, T, R * B, L):
+    for size in (T, T, T, R * B, L, T):
         parts.append(buf[o:o + size].copy())
         o += size
-    tok, pos, slots, tables, logit_idx = parts
+    tok, pos, slots, tables, logit_idx, starts = parts
     return StepInputs("decode" if kind == 0 else "prefill", T, C, tok, pos, slots, tables.reshape(R, B),
-                      logit_idx, n_logits), step
+                      logit_idx, n_logits, starts), step
 
 
 def free_port() -> int:

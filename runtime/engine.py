@@ -145,7 +145,8 @@ class Engine:
         step = self.scheduler.schedule()
         if step is None:
             return []
-        inputs = build_inputs(step, self.manifest.compile.block_size)
+        cc = self.manifest.compile
+        inputs = build_inputs(step, cc.block_size, cc.prefill_seqs(step.tokens))
         if self.followers is not None:
             self.followers.publish(inputs)
         t1 = time.perf_counter()

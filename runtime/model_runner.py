@@ -31,35 +31,45 @@ class StepInputs:
     block_tables: np.ndarray    # [R, B] int64, -1 = no block
     logit_indices: np.ndarray   # [L] int64
     num_logits: int             # real rows of the logits
+    context_starts: np.ndarray  # [T] int64, prefill: the token's sequence's first slot in the packed context
 
 
-def build_inputs(step: ScheduledStep, block_size: int) -> StepInputs:
+def build_inputs(step: ScheduledStep, block_size: int, logit_rows: int) -> StepInputs:
+    """The step's host tensors. Decode: one table row per token. Prefill: one row holding the packed sequences'
+    block lists back to back (each up to the block holding its last token in this chunk); `logit_rows` is the
+    prefill head graph's row count."""
     T, C = step.tokens, step.context
     B = C // block_size
     rows = T if step.kind == DECODE else 1
-    L = T if step.kind == DECODE else 1
+    L = T if step.kind == DECODE else logit_rows
     token_ids = np.zeros(T, np.int64)
     positions = np.zeros(T, np.int64)
     slots = np.full(T, -1, np.int64)
     tables = np.full((rows, B), -1, np.int64)
     logit_idx = np.zeros(L, np.int64)
-    t = n_logits = 0
+    starts = np.zeros(T, np.int64)
+    t = n_logits = packed = 0      # packed: blocks of the prefill row used so far
     for e in step.entries:
         seq = e.seq
-        table = np.asarray(seq.block_table[:B], np.int64)
-        for pos in range(e.start, e.start + e.num_tokens):
+        end = e.start + e.num_tokens
+        if step.kind == DECODE:
+            table = np.asarray(seq.block_table[:B], np.int64)
+        else:
+            table = np.asarray(seq.block_table[: -(-end // block_size)], np.int64)
+            tables[0, packed: packed + len(table)] = table
+            starts[t: t + e.num_tokens] = packed * block_size
+            packed += len(table)
+        for pos in range(e.start, end):
             token_ids[t] = seq.token_at(pos)
             positions[t] = pos
             slots[t] = seq.block_table[pos // block_size] * block_size + pos % block_size
             if step.kind == DECODE:
                 tables[t, : len(table)] = table
             t += 1
-        if step.kind == PREFILL:
-            tables[0, : len(table)] = table
         if e.wants_logits:
             logit_idx[n_logits] = t - 1
             n_logits += 1
-    return StepInputs(step.kind, T, C, token_ids, positions, slots, tables, logit_idx, n_logits)
+    return StepInputs(step.kind, T, C, token_ids, positions, slots, tables, logit_idx, n_logits, starts)
 
 
 class RegionTimer:
@@ -149,17 +159,20 @@ class ModelRunner:
 
     def to_device(self, si: StepInputs) -> tuple[torch.Tensor, ...]:
         return tuple(torch.from_numpy(a).to(self.device) for a in
-                     (si.token_ids, si.positions, si.slot_mapping, si.block_tables, si.logit_indices))
+                     (si.token_ids, si.positions, si.slot_mapping, si.block_tables, si.logit_indices,
+                      si.context_starts))
 
-    def forward(self, kind: str, T: int, C: int, token_ids, positions, slots, tables, logit_idx) -> torch.Tensor:
+    def forward(self, kind: str, T: int, C: int, token_ids, positions, slots, tables, logit_idx,
+                context_starts) -> torch.Tensor:
         """embed -> every layer -> head, on the device. Decode steps make no host syncs (CUDA-graph safe);
         on the static MoE path, prefill chunks read each MoE layer's overflow flag to decide on the dense rerun."""
         h = _first(self._call(kind, EMBED, graph_name(EMBED, kind, T), token_ids, self.layer_weights[EMBED][0]))
+        extra = (context_starts,) if kind == PREFILL else ()
         for i in range(self.num_layers):
             region = DENSE_LAYER if i in self.dense_layers else MOE_LAYER
             name = graph_name(region, kind, T, C)
             w = self.layer_weights[region][i]
-            out = self._call(kind, region, name, h, positions, slots, tables, self.kv_caches[i], w)
+            out = self._call(kind, region, name, h, positions, slots, tables, self.kv_caches[i], *extra, w)
             if region == MOE_LAYER and kind == PREFILL and self.static_moe:
                 h, h_mid, overflow = out
                 if bool(overflow):

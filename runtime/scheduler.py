@@ -1,5 +1,6 @@
 """Continuous batching over compiled buckets: decode tokens and short prompts share a prompt-as-decode
-step; long prompts go in prefill chunks; every step is padded to a bucket the artifact holds."""
+step; long prompts go in prefill chunks, several to a chunk when they fit; every step is padded to a bucket
+the artifact holds."""
 
 from __future__ import annotations
 
@@ -125,17 +126,47 @@ class Scheduler:
         return None
 
     def _schedule_prefill(self, seq: Sequence) -> ScheduledStep | None:
-        n = min(seq.num_uncomputed, max(self.cfg.prefill_buckets))
+        """A chunk of `seq`, then as many other prompts as fit the chunk's spare tokens and the context limit
+        (packed back to back; never preempting for them)."""
+        budget = max(self.cfg.prefill_buckets)
+        n = min(seq.num_uncomputed, budget)
         need = self.blocks.blocks_needed(seq, n)
+        preempted = False
         if not self.blocks.can_allocate(need):
             if seq.status is Status.WAITING or not self._preempt_for(need, seq, keep={seq}):
                 return None
+            preempted = True      # the preempted are waiting again: not packed into the chunk that displaced them
         self._admit(seq)
         self.blocks.allocate(seq, n)
-        bucket = smallest_at_least(self.cfg.prefill_buckets, n)
-        entry = StepEntry(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
+        entries = [StepEntry(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)]
+        used, span = n, self._span(seq.num_computed + n)
+        for other in ([] if preempted else self._prefill_queue(seq)):
+            if used >= budget:
+                break
+            k = min(other.num_uncomputed, budget - used)
+            more = self._span(other.num_computed + k)
+            if (span + more > self.cfg.context_limit or
+                    (other.status is Status.WAITING and len(self.running) >= self.cfg.max_num_seqs) or
+                    not self.blocks.can_allocate(self.blocks.blocks_needed(other, k))):
+                break
+            self._admit(other)
+            self.blocks.allocate(other, k)
+            entries.append(StepEntry(other, other.num_computed, k, other.num_computed + k == other.num_tokens))
+            used += k
+            span += more
+        bucket = smallest_at_least(self.cfg.prefill_buckets, used)
         # prefill graphs exist for context buckets of at least their token bucket
-        return ScheduledStep("prefill", bucket, self._context_bucket(max(seq.num_computed + n, bucket)), (entry,))
+        return ScheduledStep("prefill", bucket, self._context_bucket(max(span, bucket)), tuple(entries))
+
+    def _prefill_queue(self, first: Sequence) -> list[Sequence]:
+        """Prompts, other than `first`, too long for a decode step: running ones, then waiting ones in order."""
+        limit = self.cfg.prompt_as_decode_limit
+        return [s for s in (*self.running, *self.waiting) if s is not first and s.num_uncomputed > limit]
+
+    def _span(self, tokens: int) -> int:
+        """Context slots a sequence of `tokens` takes in a packed prefill row: whole blocks."""
+        bs = self.cfg.block_size
+        return -(-tokens // bs) * bs
 
     def _schedule_decode(self) -> ScheduledStep | None:
         budget = max(self.cfg.decode_buckets)

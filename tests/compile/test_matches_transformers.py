@@ -67,6 +67,15 @@ def test_every_bucket_matches_logits(variant, checkpoints, compile_artifact):
                 got = st.run("prefill", T, C, [(seq, k)])[0]
                 worst = max(worst, rel_err(got, ref[pos + k - 1]))
                 pos += k
+        # Several sequences packed into one prefill chunk: the second chunk of one prompt and two whole ones.
+        T, bs = max(cc.prefill_buckets), cc.block_size
+        if T <= C and 4 * bs <= C:
+            st = Stepper(runner)
+            long, short = st.new(prompt_of(bs + 4, seed=C + 1)), [st.new(prompt_of(n, seed=C + n)) for n in (6, 11)]
+            st.run("prefill", T, C, [(long, 10)])
+            got = st.run("prefill", T, C, [(long, bs - 6), *((s, len(s.prompt_ids)) for s in short)])
+            for s, g in zip([long, *short], got):
+                worst = max(worst, rel_err(g, hf_logits(hf, s.prompt_ids)[-1]))
     assert worst <= TOL, f"{variant}: worst relative logits error {worst:.2e} > {TOL}"
 
 

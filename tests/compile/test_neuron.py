@@ -42,7 +42,8 @@ def test_prepared_artifact_has_everything_but_the_neffs(prepared):
     assert layer["compiler_args"][:2] == ["--target", "trn2"] and "--lnc" in layer["compiler_args"]
     assert layer["input_output_aliases"] == {"kv_cache": 3}          # after hidden, h_mid, overflow
     assert layer["state"]["attn.w_uk"] == "w_attn__w_uk" and layer["state"]["kv_cache"] == "kv_cache_state"
-    assert [t["name"] for t in layer["step_inputs"]] == ["hidden", "positions", "slot_mapping", "block_tables"]
+    assert [t["name"] for t in layer["step_inputs"]] == ["hidden", "positions", "slot_mapping", "block_tables",
+                                                         "context_starts"]
     script = (prepared / "neuron/compile.sh").read_text()
     assert f"deepinfer-neuron-finish {prepared} --graph moe_layer.prefill.t32.c64" in script
     assert ".partial-" not in script

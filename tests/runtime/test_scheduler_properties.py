@@ -53,6 +53,11 @@ def run_to_completion(cfg: SchedulerConfig, requests: list[tuple[int, int]], arr
         for e in step.entries:
             assert e.start + e.num_tokens <= step.context
             assert len(e.seq.block_table) * cfg.block_size >= e.start + e.num_tokens
+        if step.kind == "prefill":     # packed sequences: whole blocks each, back to back in one context row
+            assert sum(-(-(e.start + e.num_tokens) // cfg.block_size) for e in step.entries) * cfg.block_size \
+                <= step.context
+            assert len(step.entries) <= min(step.tokens, cfg.max_num_seqs)
+            assert len({e.seq for e in step.entries}) == len(step.entries)
         fake_step(sched, step)
         check_invariants(sched)
     return seqs
@@ -123,3 +128,26 @@ def test_prefill_runs_first_but_at_most_max_prefill_streak_in_a_row():
         assert "P" * (streak + 1) not in run, run
         assert run[2:2 + streak] == "P" * streak, run       # the burst is admitted first
         assert run.count("P") == 6, run                     # one 16-token chunk each (the 4 left go in decode)
+
+
+def test_short_prompts_share_a_prefill_chunk():
+    """Eight 12-token prompts (too long for a decode step) share 32-token chunks instead of taking a padded chunk
+    each; a prompt cut at the chunk's end finishes later (here in a decode step: 4 tokens are left)."""
+    cfg = SchedulerConfig(decode_buckets=(1, 2, 4, 8), prefill_buckets=(16, 32), context_buckets=(64, 128),
+                          context_limit=128, block_size=16, num_blocks=64)
+    sched = Scheduler(cfg)
+    seqs = [Sequence([3] * 12, SamplingParams(max_tokens=2)) for _ in range(8)]
+    for s in seqs:
+        sched.add(s)
+    step = sched.schedule()
+    assert step.kind == "prefill" and step.tokens == 32 and step.context == 64
+    assert [(e.seq, e.start, e.num_tokens, e.wants_logits) for e in step.entries] == [
+        (seqs[0], 0, 12, True), (seqs[1], 0, 12, True), (seqs[2], 0, 8, False)]
+    fake_step(sched, step)
+    kinds = ["P"]
+    while sched.has_work:
+        step = sched.schedule()
+        kinds.append("P" if step.kind == "prefill" else "D")
+        fake_step(sched, step)
+    assert kinds.count("P") == 3, kinds
+    assert all(s.status is Status.FINISHED and len(s.output_ids) == 2 for s in seqs)
