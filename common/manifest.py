@@ -57,8 +57,8 @@ class CompileConfig:
         return self.context_limit // self.block_size
 
     def prefill_seqs(self, tokens: int) -> int:
-        """Sequences one prefill chunk of `tokens` may pack (its head graph's logit rows): at most every sequence
-        that can run at once, which is the largest decode bucket."""
+        """Sequences one prefill chunk of `tokens` may pack (the logit rows of its packed head graph): at most
+        every sequence that can run at once, which is the largest decode bucket."""
         return min(tokens, max(self.decode_buckets))
 
 
@@ -218,12 +218,13 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def graph_name(region: str, kind: str, tokens: int, context: int = 0) -> str:
-    """The one naming rule for graphs; compile writes it, the runtime looks graphs up by it."""
+def graph_name(region: str, kind: str, tokens: int, context: int = 0, logit_rows: int = 1) -> str:
+    """The one naming rule for graphs; compile writes it, the runtime looks graphs up by it. Prefill heads come
+    in two sizes: one logits row (a chunk of one prompt) and one per packed sequence (`.l<rows>`)."""
     if region in (EMBED, MOE_DENSE):
         return f"{region}.t{tokens}"
     if region == HEAD:
-        return f"{region}.{kind}.t{tokens}"
+        return f"{region}.{kind}.t{tokens}" + (f".l{logit_rows}" if kind == PREFILL and logit_rows > 1 else "")
     return f"{region}.{kind}.t{tokens}.c{context}"
 
 

@@ -31,10 +31,10 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
     """Every graph the runtime can need for this model and these buckets, each exactly once."""
     specs: dict[str, RegionSpec] = {}
 
-    def add(region: str, kind: str, tokens: int, context: int = 0, capacity: int = 0):
-        name = graph_name(region, kind, tokens, context)
+    def add(region: str, kind: str, tokens: int, context: int = 0, capacity: int = 0, logit_rows: int = 0):
+        name = graph_name(region, kind, tokens, context, logit_rows)
         specs.setdefault(name, RegionSpec(m, region, kind, tokens, context, cc.block_size, cc.cp, cc.ep,
-                                          cc.world, capacity, moe_path(m, cc, kind, tokens)))
+                                          cc.world, capacity, moe_path(m, cc, kind, tokens), logit_rows))
 
     layers = ([DENSE_LAYER] if m.num_moe_layers < m.num_hidden_layers else []) + ([MOE_LAYER] if m.num_moe_layers else [])
     for T in cc.decode_buckets:
@@ -42,7 +42,7 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
         for C in cc.context_buckets:
             for region in layers:
                 add(region, DECODE, T, C)
-        add(HEAD, DECODE, T)
+        add(HEAD, DECODE, T, logit_rows=T)
     grouped = cc.moe_path == "grouped"
     for T, cap in zip(cc.prefill_buckets, cc.moe_capacity or (0,) * len(cc.prefill_buckets)):
         add(EMBED, PREFILL, T)
@@ -52,7 +52,9 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
                     add(region, PREFILL, T, C, cap)
         if m.num_moe_layers and not grouped:
             add(MOE_DENSE, PREFILL, T)
-        add(HEAD, PREFILL, T)
+        add(HEAD, PREFILL, T, logit_rows=1)
+        if cc.prefill_seqs(T) > 1:       # a chunk that packs several prompts samples each one's last token
+            add(HEAD, PREFILL, T, logit_rows=cc.prefill_seqs(T))
     return [_plan(name, spec, cc) for name, spec in specs.items()]
 
 
@@ -92,7 +94,7 @@ def _plan(name: str, spec: RegionSpec, cc: CompileConfig) -> GraphPlan:
         inputs = [TensorSpec("token_ids", (T,), i64)]
         outputs = ("hidden",)
     elif spec.region == HEAD:
-        L = T if spec.kind == DECODE else cc.prefill_seqs(T)
+        L = spec.logit_rows
         inputs = [TensorSpec("hidden", (T, D), dt), TensorSpec("logit_indices", (L,), i64)]
         outputs = ("logits",)
     elif spec.region == MOE_DENSE:

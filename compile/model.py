@@ -39,6 +39,7 @@ class RegionSpec:
     world: int = 1
     capacity: int = 0          # prefill MoE on the static path: tokens one local expert takes at most
     moe_path: str = "dense"    # grouped (exact, any T) | static paths: dense | gather (decode), capacity (prefill)
+    logit_rows: int = 0        # head graphs: rows of logits (T in decode buckets; 1, or one per packed prompt)
 
     @property
     def local_experts(self) -> int:

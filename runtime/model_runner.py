@@ -37,11 +37,12 @@ class StepInputs:
 def build_inputs(step: ScheduledStep, block_size: int, logit_rows: int) -> StepInputs:
     """The step's host tensors. Decode: one table row per token. Prefill: one row holding the packed sequences'
     block lists back to back (each up to the block holding its last token in this chunk); `logit_rows` is the
-    prefill head graph's row count."""
+    packed prefill head graph's row count (a prefill chunk with one logits row takes the one-row head)."""
     T, C = step.tokens, step.context
     B = C // block_size
     rows = T if step.kind == DECODE else 1
-    L = T if step.kind == DECODE else logit_rows
+    wanted = sum(e.wants_logits for e in step.entries)
+    L = T if step.kind == DECODE else (logit_rows if wanted > 1 else 1)
     token_ids = np.zeros(T, np.int64)
     positions = np.zeros(T, np.int64)
     slots = np.full(T, -1, np.int64)
@@ -181,7 +182,8 @@ class ModelRunner:
                                           self.layer_weights[MOE_DENSE][i]))
             else:
                 h = _first(out)
-        return _first(self._call(kind, HEAD, graph_name(HEAD, kind, T), h, logit_idx, self.layer_weights[HEAD][0]))
+        head = graph_name(HEAD, kind, T, logit_rows=logit_idx.shape[0])
+        return _first(self._call(kind, HEAD, head, h, logit_idx, self.layer_weights[HEAD][0]))
 
 
 def _first(out):
