@@ -8,8 +8,9 @@ from .sequence import Sequence
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float], list[dict[int, float]]]:
-    """logits [n, V] fp32 -> (token ids, their logprobs, top-N logprobs where asked)."""
-    greedy = logits.argmax(dim=-1)
+    """logits [n, V] fp32 (on the CPU) -> (token ids, their logprobs, top-N logprobs where asked)."""
+    # numpy's argmax (first maximum, like torch's): ~20 us for 16 x 4096 where torch's parallel kernel took ~150-300
+    greedy = logits.numpy().argmax(axis=-1).tolist()
     want_lp = any(s.params.logprobs is not None for s in seqs)
     logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
     tokens: list[int] = []
@@ -18,7 +19,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     for i, seq in enumerate(seqs):
         p = seq.params
         if p.greedy:
-            tok = int(greedy[i])
+            tok = greedy[i]
         else:
             tok = _sample_row(logits[i], p.temperature, p.top_k, p.top_p, seq.generator)
         tokens.append(tok)
