@@ -31,6 +31,20 @@ TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n
             qk_rope_head_dim=16, v_head_dim=32, vocab_size=4096)
 
 
+def import_deepinfer() -> None:
+    """The repository root is the `deepinfer` package (pyproject's package-dir): on a machine where it is not
+    installed (the device call gets a copy of the working tree and no network), import it from here."""
+    try:
+        import deepinfer  # noqa: F401
+    except ImportError:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("deepinfer", ROOT / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["deepinfer"] = mod
+        spec.loader.exec_module(mod)
+
+
 class StateDictCheckpoint:
     """The compiler's checkpoint interface (has/get) over an in-memory transformers state dict."""
 
@@ -199,7 +213,7 @@ def main() -> None:
                          "measured are listed as skipped")
     ap.add_argument("--out", default=None, help="write the table (markdown) here, rewritten after every row")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
+    import_deepinfer()
     t0 = time.monotonic()
     dev = torch.device(args.device)
     cfg = json.loads(Path(args.config).read_text())
