@@ -126,8 +126,9 @@ class Scheduler:
         return None
 
     def _schedule_prefill(self, seq: Sequence) -> ScheduledStep | None:
-        """A chunk of `seq`, then as many other prompts as fit the chunk's spare tokens and the context limit
-        (packed back to back; never preempting for them)."""
+        """A chunk of `seq`, then as many other prompts as fit the chunk's spare tokens (packed back to back;
+        never preempting for them) without a larger context bucket than a full chunk of `seq` alone would take:
+        attention cost follows the bucket, so packing never makes the chunk's attention dearer."""
         budget = max(self.cfg.prefill_buckets)
         n = min(seq.num_uncomputed, budget)
         need = self.blocks.blocks_needed(seq, n)
@@ -140,12 +141,13 @@ class Scheduler:
         self.blocks.allocate(seq, n)
         entries = [StepEntry(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)]
         used, span = n, self._span(seq.num_computed + n)
+        room = self._context_bucket(max(span, budget))
         for other in ([] if preempted else self._prefill_queue(seq)):
             if used >= budget:
                 break
             k = min(other.num_uncomputed, budget - used)
             more = self._span(other.num_computed + k)
-            if (span + more > self.cfg.context_limit or
+            if (span + more > room or
                     (other.status is Status.WAITING and len(self.running) >= self.cfg.max_num_seqs) or
                     not self.blocks.can_allocate(self.blocks.blocks_needed(other, k))):
                 break

@@ -54,8 +54,11 @@ def run_to_completion(cfg: SchedulerConfig, requests: list[tuple[int, int]], arr
             assert e.start + e.num_tokens <= step.context
             assert len(e.seq.block_table) * cfg.block_size >= e.start + e.num_tokens
         if step.kind == "prefill":     # packed sequences: whole blocks each, back to back in one context row
-            assert sum(-(-(e.start + e.num_tokens) // cfg.block_size) for e in step.entries) * cfg.block_size \
-                <= step.context
+            spans = [-(-(e.start + e.num_tokens) // cfg.block_size) * cfg.block_size for e in step.entries]
+            assert sum(spans) <= step.context
+            # packing never raises the context bucket above a full chunk of the first sequence alone
+            first_alone = max(spans[0], max(cfg.prefill_buckets))
+            assert len(spans) == 1 or step.context <= min(c for c in cfg.context_buckets if c >= first_alone)
             assert len(step.entries) <= min(step.tokens, cfg.max_num_seqs)
             assert len({e.seq for e in step.entries}) == len(step.entries)
         fake_step(sched, step)
