@@ -7,6 +7,11 @@ from collections import deque
 from .sequence import Sequence
 
 
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold the KV of `tokens` tokens."""
+    return -(-tokens // block_size)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
@@ -24,8 +29,7 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to add so that the KV of `num_new_tokens` more tokens fits."""
-        total = -(-(seq.num_computed + num_new_tokens) // self.block_size)
-        return max(0, total - len(seq.block_table))
+        return max(0, blocks_for(seq.num_computed + num_new_tokens, self.block_size) - len(seq.block_table))
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free_blocks)

@@ -43,8 +43,9 @@ class StepGraphs:
         if key not in self.graphs:
             self.graphs[key] = self._capture(si)
         g, static, out = self.graphs[key]
+        # context_starts is a prefill-only input: its static buffer exists for forward()'s signature only
         for buf, src in zip(static, (si.token_ids, si.positions, si.slot_mapping, si.block_tables,
-                                     si.logit_indices, si.context_starts)):
+                                     si.logit_indices)):
             buf.copy_(torch.from_numpy(src), non_blocking=True)
         g.replay()
         return out

@@ -145,8 +145,7 @@ class Engine:
         step = self.scheduler.schedule()
         if step is None:
             return []
-        cc = self.manifest.compile
-        inputs = build_inputs(step, cc.block_size, cc.prefill_seqs(step.tokens))
+        inputs = build_inputs(step, self.manifest.compile)
         if self.followers is not None:
             self.followers.publish(inputs)
         t1 = time.perf_counter()

@@ -13,8 +13,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..common.manifest import (DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER, PREFILL, Manifest,
-                               graph_name)
+from ..common.manifest import (DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER, PREFILL, CompileConfig,
+                               Manifest, graph_name)
+from .block_manager import blocks_for
 from .scheduler import ScheduledStep
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -34,15 +35,15 @@ class StepInputs:
     context_starts: np.ndarray  # [T] int64, prefill: the token's sequence's first slot in the packed context
 
 
-def build_inputs(step: ScheduledStep, block_size: int, logit_rows: int) -> StepInputs:
+def build_inputs(step: ScheduledStep, cc: CompileConfig) -> StepInputs:
     """The step's host tensors. Decode: one table row per token. Prefill: one row holding the packed sequences'
-    block lists back to back (each up to the block holding its last token in this chunk); `logit_rows` is the
-    packed prefill head graph's row count (a prefill chunk with one logits row takes the one-row head)."""
-    T, C = step.tokens, step.context
+    block lists back to back (each up to the block holding its last token in this chunk), and logits rows for
+    the one-row head or, when several packed prompts want logits, the packed head."""
+    T, C, block_size = step.tokens, step.context, cc.block_size
     B = C // block_size
     rows = T if step.kind == DECODE else 1
     wanted = sum(e.wants_logits for e in step.entries)
-    L = T if step.kind == DECODE else (logit_rows if wanted > 1 else 1)
+    L = T if step.kind == DECODE else (cc.prefill_seqs(T) if wanted > 1 else 1)
     token_ids = np.zeros(T, np.int64)
     positions = np.zeros(T, np.int64)
     slots = np.full(T, -1, np.int64)
@@ -56,7 +57,7 @@ def build_inputs(step: ScheduledStep, block_size: int, logit_rows: int) -> StepI
         if step.kind == DECODE:
             table = np.asarray(seq.block_table[:B], np.int64)
         else:
-            table = np.asarray(seq.block_table[: -(-end // block_size)], np.int64)
+            table = np.asarray(seq.block_table[: blocks_for(end, block_size)], np.int64)
             tables[0, packed: packed + len(table)] = table
             starts[t: t + e.num_tokens] = packed * block_size
             packed += len(table)

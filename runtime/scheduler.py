@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..common.errors import CapacityError
-from .block_manager import BlockManager
+from .block_manager import BlockManager, blocks_for
 from .sequence import Sequence, Status
 
 
@@ -167,8 +167,7 @@ class Scheduler:
 
     def _span(self, tokens: int) -> int:
         """Context slots a sequence of `tokens` takes in a packed prefill row: whole blocks."""
-        bs = self.cfg.block_size
-        return -(-tokens // bs) * bs
+        return blocks_for(tokens, self.cfg.block_size) * self.cfg.block_size
 
     def _schedule_decode(self) -> ScheduledStep | None:
         budget = max(self.cfg.decode_buckets)

@@ -33,7 +33,7 @@ class Stepper:
             self.blocks.allocate(seq, n)
             entries.append(StepEntry(seq, seq.num_computed, n, True))
         step = ScheduledStep(kind, tokens, context, tuple(entries))
-        si = build_inputs(step, self.cc.block_size, self.cc.prefill_seqs(tokens))
+        si = build_inputs(step, self.cc)
         if all_logits:
             assert kind == "decode"
             si.logit_indices[:] = range(tokens)

@@ -36,8 +36,7 @@ def logits_of_steps(engine: Engine, prompt: list[int], chunks: list[tuple[str, i
         n = min(T, len(prompt) - seq.num_computed)
         blocks.allocate(seq, n)
         ctx = next(c for c in cc.context_buckets if c >= seq.num_computed + n)
-        si = build_inputs(ScheduledStep(kind, T, ctx, (StepEntry(seq, seq.num_computed, n, True),)), cc.block_size,
-                          cc.prefill_seqs(T))
+        si = build_inputs(ScheduledStep(kind, T, ctx, (StepEntry(seq, seq.num_computed, n, True),)), cc)
         if engine.followers is not None:
             engine.followers.publish(si)
         out.append(engine.runner.run(si)[0])
