@@ -8,6 +8,9 @@ ms/token at batch 1, decode tokens/s at 16 concurrent sequences, and the time to
 concurrent 32-token prompts, each with the ratio to transformers (its batched `generate`).
 With --layouts, decode ms/token per cp x ep layout and the collectives' share of a decode step.
 Same threads for everyone (torch.get_num_threads()). Ratios matter more than absolute numbers here.
+The roofline row is the best any engine could do on this machine (benchmarks/roofline.py): decode floored by
+reading the step's fp32 weights at the measured copy bandwidth, prefill by its FLOPs at the measured GEMM
+rate (or its weights, whichever is slower); its "x HF" is the largest ratio to transformers physically possible.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 CONFIGS = {
     "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=256,
@@ -135,6 +139,19 @@ def collective_share(engine, vocab: int) -> float:
     return coll / 1e6 / wall
 
 
+def bench_roofline(m, bw: float, flops: float) -> dict:
+    """Floors for the same four measurements (fp32 weights, 4 bytes a parameter)."""
+    from roofline import step_floor_s
+
+    def step_s(tokens: int, context: float, logit_rows: int) -> float:
+        return step_floor_s(m, tokens, context, logit_rows, 4, bw, flops)
+    ctx = 32 + DECODE_TOKENS / 2                              # decode: keys per token, on average
+    return {"prefill_tok_s": PREFILL_LEN / step_s(PREFILL_LEN, (PREFILL_LEN + 1) / 2, 1),
+            "decode_ms": 1e3 * step_s(1, ctx, 1),
+            "batch_tok_s": BATCH / step_s(BATCH, ctx, BATCH),
+            "batch_ttft_ms": 1e3 * step_s(BATCH * 32, 16.5, BATCH)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="demo,mid", help="demo (the trained demo model), small, mid")
@@ -146,9 +163,14 @@ def main() -> None:
     from deepinfer.runtime.engine import Engine
     work = Path(args.workdir or tempfile.mkdtemp(prefix="deepinfer-bench-"))
     cache = work / "cache"
+    from roofline import copy_bandwidth, gemm_flops
+    from deepinfer.common.model_config import ModelConfig
     threads = torch.get_num_threads()
+    cpu = torch.device("cpu")
+    bw, flops = copy_bandwidth(cpu), gemm_flops(cpu, torch.float32)
     lines = [f"threads {threads}, torch {torch.__version__}, prefill {PREFILL_LEN} tokens, decode {DECODE_TOKENS} "
-             f"tokens after a 32-token prompt, batch {BATCH}", "",
+             f"tokens after a 32-token prompt, batch {BATCH}; measured copy bandwidth {bw / 1e9:.1f} GB/s, "
+             f"fp32 GEMM {flops / 1e9:.0f} GFLOP/s", "",
              "| config | engine | prefill tok/s | x HF | decode ms/tok (b=1) | x HF | decode tok/s (b=16) | x HF "
              "| first tokens of 16 (ms) | x HF |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -166,13 +188,14 @@ def main() -> None:
         eng = Engine.from_artifact(art)
         ours = bench_engine(eng, cfg["vocab_size"])
         eager = bench_engine(eager_engine(art), cfg["vocab_size"])
+        roof = bench_roofline(ModelConfig.from_file(Path(ck) / "config.json"), bw, flops)
         for label, r in (("transformers " + hf["note"], hf), ("deepinfer eager PyTorch", eager),
-                         ("deepinfer compiled (cpu)", ours)):
+                         ("deepinfer compiled (cpu)", ours), ("roofline (this machine)", roof)):
             lines.append(f"| {name} | {label} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / hf['prefill_tok_s']:.2f} "
                          f"| {r['decode_ms']:.2f} | {hf['decode_ms'] / r['decode_ms']:.2f} | {r['batch_tok_s']:.0f} "
                          f"| {r['batch_tok_s'] / hf['batch_tok_s']:.2f} | {r['batch_ttft_ms']:.0f} "
                          f"| {hf['batch_ttft_ms'] / r['batch_ttft_ms']:.2f} |")
-        print("\n".join(lines[-3:]), flush=True)
+        print("\n".join(lines[-4:]), flush=True)
     if args.layouts:
         from deepinfer.compile.options import DEMO_MODEL
         lines += ["", "| layout (demo model) | world | decode ms/tok (b=1) | decode tok/s (b=16) | collectives share of a decode step |",

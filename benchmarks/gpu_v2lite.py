@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from roofline import copy_bandwidth, decode_step_params
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4, kv_lora_rank=64, qk_nope_head_dim=32,
@@ -179,26 +181,8 @@ class Transformers:
 def roofline(m, dev, batches) -> tuple[float, dict]:
     """Bytes a decode step must read (active weights, with the distinct experts a batch touches) over the
     measured device copy bandwidth."""
-    n = 1 << 28
-    a = torch.empty(n, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    sync(dev)
-    t = time.perf_counter()
-    for _ in range(5):
-        b.copy_(a)
-    sync(dev)
-    bw = 2 * n * 5 / (time.perf_counter() - t)
-    pc = m.param_counts()
-    expert = 3 * m.hidden_size * m.moe_intermediate_size
-    fixed = pc["active_per_token"] - m.num_moe_layers * m.num_experts_per_tok * expert - m.vocab_size * m.hidden_size
-    fixed += m.vocab_size * m.hidden_size if not m.tie_word_embeddings else 0      # the LM head is read
-    out = {}
-    for bsz in batches:
-        E, K = m.n_routed_experts, m.num_experts_per_tok
-        touched = E * (1 - (1 - K / E) ** bsz)
-        out[bsz] = 2 * (fixed + m.num_moe_layers * touched * expert) / bw
-    return bw, out
+    bw = copy_bandwidth(dev)
+    return bw, {bsz: 2 * decode_step_params(m, bsz) / bw for bsz in batches}
 
 
 def main() -> None:

@@ -34,7 +34,8 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
     def add(region: str, kind: str, tokens: int, context: int = 0, capacity: int = 0, logit_rows: int = 0):
         name = graph_name(region, kind, tokens, context, logit_rows)
         specs.setdefault(name, RegionSpec(m, region, kind, tokens, context, cc.block_size, cc.cp, cc.ep,
-                                          cc.world, capacity, moe_path(m, cc, kind, tokens), logit_rows))
+                                          cc.world, capacity, moe_path(m, cc, kind, tokens), logit_rows,
+                                          swap_gemm_rows(cc)))
 
     layers = ([DENSE_LAYER] if m.num_moe_layers < m.num_hidden_layers else []) + ([MOE_LAYER] if m.num_moe_layers else [])
     for T in cc.decode_buckets:
@@ -63,6 +64,20 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
 CPU_GROUPED_MIN_ROW_FLOPS = 1_000_000
 
 
+# CPU linears over at most this many rows swap their GEMM's operands (`compile.model.linear`).
+CPU_SWAP_GEMM_ROWS = 64
+
+
+def ir_family(backend: str) -> str:
+    """Backends that trace the same graphs: `eager` runs exactly what `cpu` compiles; cuda and neuron make their
+    own choices (the decode MoE form, GEMM operand order)."""
+    return "cpu" if backend in ("cpu", "eager") else backend
+
+
+def swap_gemm_rows(cc: CompileConfig) -> int:
+    return CPU_SWAP_GEMM_ROWS if ir_family(cc.backend) == "cpu" else 0
+
+
 def moe_path(m: ModelConfig, cc: CompileConfig, kind: str, tokens: int) -> str:
     """Which MoE form a graph bakes in.
 
@@ -73,7 +88,7 @@ def moe_path(m: ModelConfig, cc: CompileConfig, kind: str, tokens: int) -> str:
     expert once, faster than grouped at T=1 (demo model 1.2-1.7 vs 1.8-2.1 ms/token; `mid` benchmark model 2.5
     vs 3.4 ms per MoE layer); at T=16 the demo model's small experts (0.2 MFLOP a row) are faster dense, while
     the `mid` model's (3.1 MFLOP a row) are faster grouped (79-88 vs 61-69 tok/s at 16 sequences)."""
-    if cc.moe_path == "grouped" and (kind == PREFILL or cc.backend not in ("cpu", "eager")):
+    if cc.moe_path == "grouped" and (kind == PREFILL or ir_family(cc.backend) != "cpu"):
         return "grouped"
     if kind == PREFILL:
         return "capacity"

@@ -2,8 +2,8 @@
 
 Graph identity here is the canonical exported program's hash (machine independent); the compiled
 binary embeds paths and is checked at load time instead. A lock entry is keyed by everything that
-shapes the graphs (model config, layout, buckets, dtype), not by the backend, which compiles the
-same IR.
+shapes the graphs (model config, layout, buckets, dtype, and the backend's IR family: `eager` traces
+exactly the graphs `cpu` compiles, so the references lock the CPU IR in seconds).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from ..common import serde
 from ..common.errors import OptionError
 from ..common.manifest import Manifest
+from .graphs import ir_family
 
 LOCK_SCHEMA = 1
 
@@ -24,7 +25,8 @@ def lock_key(m: Manifest) -> str:
     model = hashlib.sha256(serde.dumps(m.model).encode()).hexdigest()[:12]
     return (f"{m.name}@{model} cp={cc.cp} ep={cc.ep} {cc.dtype} decode={list(cc.decode_buckets)} "
             f"prefill={list(cc.prefill_buckets)} ctx={list(cc.context_buckets)} bs={cc.block_size} "
-            f"kv={cc.num_kv_blocks} cap={list(cc.moe_capacity)} moe={cc.moe_path}/{cc.moe_decode_path}")
+            f"kv={cc.num_kv_blocks} cap={list(cc.moe_capacity)} moe={cc.moe_path}/{cc.moe_decode_path} "
+            f"ir={ir_family(cc.backend)}")
 
 
 def lock_entry(m: Manifest) -> dict:

@@ -23,6 +23,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     key = (x.device.type, x.dtype)
     if key not in _NATIVE_FAILED and hasattr(torch, "_grouped_mm"):
         try:
+            if _swap_operands(x, w):
+                return torch._grouped_mm(w.transpose(1, 2), x.t(), offs=offs).t().contiguous()
             return torch._grouped_mm(x, w, offs=offs)
         except (RuntimeError, NotImplementedError):
             _NATIVE_FAILED.add(key)
@@ -32,6 +34,22 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     for g in range(w.shape[0]):
         out = torch.where((group == g)[:, None], x @ w[g], out)
     return out
+
+
+def _swap_operands(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """CPU: compute out.T = w.T @ x.T per group when groups are a few rows of a big weight. MKL's sgemm with few
+    rows (M) and a transposed weight runs far below both its FLOP and its memory peak; with the operands swapped
+    the few rows become the narrow N side and the weight streams at memory speed. Measured on 2 AVX2 cores:
+    mid benchmark experts (1024 x 1024 gate-up, 1024 x 512 down) at 64 rows over 16 experts 10.1 -> 6.4 ms and
+    5.9 -> 2.2 ms; V2-Lite-size experts at 96 and 384 rows over 64 experts 1.3-1.6x faster; with under one row
+    or over ~8 rows a group, or small weights (demo model), the plain form is as fast or faster."""
+    G, K, N = w.shape
+    rows_per_group = x.shape[0] / G
+    return x.device.type == "cpu" and 1 <= rows_per_group <= SWAP_MAX_ROWS_PER_GROUP and K * N >= SWAP_MIN_WEIGHT
+
+
+SWAP_MAX_ROWS_PER_GROUP = 8
+SWAP_MIN_WEIGHT = 1 << 18          # elements of one group's weight
 
 
 @grouped_mm.register_fake

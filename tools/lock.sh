@@ -3,7 +3,8 @@
 #   tools/lock.sh check    compile each and fail with a readable diff on any drift (CI runs this)
 #   tools/lock.sh update   accept the current hashes deliberately (commit the rewritten lock)
 # Graph hashes are of the canonical exported programs (the backend's binaries are machine specific), so the
-# references compile with --backend eager: seconds, and the same IR the cpu/cuda/neuron backends compile.
+# references compile with --backend eager: seconds, and the same IR the cpu backend compiles (the lock key names
+# the IR family; cuda and neuron graphs differ in backend choices and would need entries of their own).
 set -uo pipefail
 mode=${1:?usage: tools/lock.sh check|update}
 cd "$(dirname "$0")/.."

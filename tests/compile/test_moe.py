@@ -164,6 +164,22 @@ def test_grouped_mm_fallback_matches_native():
     assert torch.count_nonzero(out[9:]) == 0
 
 
+def test_grouped_mm_swapped_operands_match(monkeypatch):
+    """Groups of a few rows of a big weight run with the operands swapped on the CPU; same rows either way."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(13, 64, generator=g), torch.randn(4, 64, 48, generator=g)
+    offs = torch.tensor([3, 3, 8, 12], dtype=torch.int32)           # an empty group; row 12 in none
+    monkeypatch.setattr(ops, "SWAP_MIN_WEIGHT", 64 * 48)
+    assert ops._swap_operands(x, w)
+    out = torch.ops.deepinfer.grouped_mm(x, w, offs)
+    assert out.is_contiguous() and out.shape == (13, 48)
+    ref = torch.cat([x[:3] @ w[0], x[3:8] @ w[2], x[8:12] @ w[3]])
+    torch.testing.assert_close(out[:12], ref)
+    monkeypatch.setattr(ops, "SWAP_MIN_WEIGHT", 64 * 48 + 1)
+    assert not ops._swap_operands(x, w)
+    torch.testing.assert_close(torch.ops.deepinfer.grouped_mm(x, w, offs)[:12], ref)
+
+
 def test_moe_path_per_bucket(checkpoints):
     """The MoE form each graph bakes in: grouped prefill; on the CPU, decode gathers when few experts are
     chosen, else runs dense (small experts) or grouped (big ones); on CUDA every bucket is grouped."""
@@ -183,3 +199,22 @@ def test_moe_path_per_bucket(checkpoints):
     assert moe_path(big, cpu, "decode", 8) == "grouped"
     assert moe_path(small, cuda, "decode", 1) == moe_path(small, cuda, "decode", 8) == "grouped"
     assert moe_path(big, cc(moe_decode_path="dense"), "decode", 8) == "dense"
+
+
+def test_cpu_graphs_swap_small_gemms_only(checkpoints):
+    """CPU decode graphs compute few-row linears as (w @ x.T).T; big prefill chunks and other backends do not."""
+    from pathlib import Path
+    from deepinfer.compile.graphs import plan_graphs
+    from deepinfer.compile.model import linear
+    from deepinfer.compile.options import CompileOptions, resolve
+    m = ModelConfig.from_file(checkpoints["base"] / "config.json")
+    for backend, rows in (("cpu", 64), ("eager", 64), ("cuda", 0)):
+        cc = resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128,
+                                    backend=backend), m)
+        assert {p.spec.swap_gemm_rows for p in plan_graphs(m, cc)} == {rows}
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 24, generator=g)
+    swapped = RegionSpec(m, "head", "decode", 8, 0, 16, swap_gemm_rows=64)
+    for M in (1, 8, 64, 65):
+        x = torch.randn(M, 24, generator=g)
+        torch.testing.assert_close(linear(swapped, x, w), x @ w.T)

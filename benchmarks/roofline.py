@@ -1,0 +1,81 @@
+"""Roofline floors for the benchmark tables: what a step must read and compute, over what this device sustains.
+
+A decode step reads every weight its tokens use once (the distinct routed experts a batch touches, expected
+under uniform routing) and is floored by memory bandwidth; a prefill chunk is floored by GEMM throughput
+(or by reading its weights, whichever is slower). Both device figures are measured in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 28, repeat: int = 5) -> float:
+    """Bytes moved per second (read + write) by a large copy, best of `repeat`."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(repeat):
+        sync(dev)
+        t = time.perf_counter()
+        b.copy_(a)
+        sync(dev)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def gemm_flops(dev: torch.device, dtype: torch.dtype, n: int = 2048, repeat: int = 3) -> float:
+    """Sustained FLOP/s of one large square matmul, best of `repeat`."""
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeat):
+        sync(dev)
+        t = time.perf_counter()
+        a @ b
+        sync(dev)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def _expert(m) -> int:
+    return 3 * m.hidden_size * m.moe_intermediate_size
+
+
+def decode_step_params(m, batch: int) -> float:
+    """Weights a decode step over `batch` sequences reads: everything a token uses except its routed experts,
+    the LM head, and the distinct routed experts the batch touches (expected, uniform routing)."""
+    pc = m.param_counts()
+    E, K = m.n_routed_experts, m.num_experts_per_tok
+    fixed = pc["active_per_token"] - m.num_moe_layers * K * _expert(m)
+    if m.tie_word_embeddings:                      # the head reads the embedding matrix
+        fixed += m.vocab_size * m.hidden_size
+    touched = E * (1 - (1 - K / E) ** batch) if E else 0.0
+    return fixed + m.num_moe_layers * touched * _expert(m)
+
+
+def step_floor_s(m, tokens: int, context: float, logit_rows: int, bytes_per_param: int, bandwidth: float,
+                 flops: float) -> float:
+    """Least time for one step over `tokens` new tokens (attention over `context` keys per token on average,
+    logits for `logit_rows`; the experts the tokens touch, expected under uniform routing): the routed experts and the rest of the weights each take the
+    longer of reading them once and computing with them (a few rows per expert read at memory speed; a weight
+    every token uses is compute-bound once the rows outnumber the machine's FLOP-per-byte balance)."""
+    pc = m.param_counts()
+    K, expert = m.num_experts_per_tok, _expert(m)
+    routed_read = decode_step_params(m, tokens) - (decode_step_params(m, 1) - m.num_moe_layers * K * expert)
+    head = m.vocab_size * m.hidden_size
+    other = pc["active_per_token"] - m.num_moe_layers * K * expert - (0 if m.tie_word_embeddings else head)
+    attn = 2 * context * m.num_attention_heads * (m.qk_head_dim + m.v_head_dim) * m.num_hidden_layers
+    routed = max(bytes_per_param * routed_read / bandwidth, 2 * m.num_moe_layers * K * expert * tokens / flops)
+    rest = max(bytes_per_param * (other + head) / bandwidth,
+               (2 * other * tokens + attn * tokens + 2 * head * logit_rows) / flops)
+    return routed + rest
