@@ -16,6 +16,7 @@ rate (or its weights, whichever is slower); its "x HF" is the largest ratio to t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -110,7 +111,10 @@ def eager_engine(art: Path):
     from deepinfer.runtime.tokenizer import load_tokenizer
     a = open_artifact(art)
     m = a.manifest
-    graphs = {p.name: RegionModule(p.spec) for p in plan_graphs(m.model, m.compile)}
+    # plain F.linear everywhere: the CPU small-GEMM forms are for the compiler (a multiply-sum is a fused
+    # reduction there, a full temporary here)
+    graphs = {p.name: RegionModule(dataclasses.replace(p.spec, small_gemm_rows=0))
+              for p in plan_graphs(m.model, m.compile)}
     runner = ModelRunner(m, graphs, load_weights(a, 0, torch.device("cpu")))
     return Engine(m, runner, load_tokenizer(a.root, [t.path for t in m.tokenizer], None))
 

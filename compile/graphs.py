@@ -35,7 +35,7 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
         name = graph_name(region, kind, tokens, context, logit_rows)
         specs.setdefault(name, RegionSpec(m, region, kind, tokens, context, cc.block_size, cc.cp, cc.ep,
                                           cc.world, capacity, moe_path(m, cc, kind, tokens), logit_rows,
-                                          swap_gemm_rows(cc)))
+                                          small_gemm_rows(cc)))
 
     layers = ([DENSE_LAYER] if m.num_moe_layers < m.num_hidden_layers else []) + ([MOE_LAYER] if m.num_moe_layers else [])
     for T in cc.decode_buckets:
@@ -64,8 +64,8 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
 CPU_GROUPED_MIN_ROW_FLOPS = 1_000_000
 
 
-# CPU linears over at most this many rows swap their GEMM's operands (`compile.model.linear`).
-CPU_SWAP_GEMM_ROWS = 64
+# CPU linears over at most this many rows take a small-GEMM form (`compile.model.linear`).
+CPU_SMALL_GEMM_ROWS = 64
 
 
 def ir_family(backend: str) -> str:
@@ -74,8 +74,8 @@ def ir_family(backend: str) -> str:
     return "cpu" if backend in ("cpu", "eager") else backend
 
 
-def swap_gemm_rows(cc: CompileConfig) -> int:
-    return CPU_SWAP_GEMM_ROWS if ir_family(cc.backend) == "cpu" else 0
+def small_gemm_rows(cc: CompileConfig) -> int:
+    return CPU_SMALL_GEMM_ROWS if ir_family(cc.backend) == "cpu" else 0
 
 
 def moe_path(m: ModelConfig, cc: CompileConfig, kind: str, tokens: int) -> str:

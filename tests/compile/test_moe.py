@@ -201,8 +201,8 @@ def test_moe_path_per_bucket(checkpoints):
     assert moe_path(big, cc(moe_decode_path="dense"), "decode", 8) == "dense"
 
 
-def test_cpu_graphs_swap_small_gemms_only(checkpoints):
-    """CPU decode graphs compute few-row linears as (w @ x.T).T; big prefill chunks and other backends do not."""
+def test_cpu_graphs_take_small_gemm_forms_only(checkpoints):
+    """CPU graphs compute few-row linears in small-GEMM forms (same values); other backends do not."""
     from pathlib import Path
     from deepinfer.compile.graphs import plan_graphs
     from deepinfer.compile.model import linear
@@ -211,10 +211,10 @@ def test_cpu_graphs_swap_small_gemms_only(checkpoints):
     for backend, rows in (("cpu", 64), ("eager", 64), ("cuda", 0)):
         cc = resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128,
                                     backend=backend), m)
-        assert {p.spec.swap_gemm_rows for p in plan_graphs(m, cc)} == {rows}
+        assert {p.spec.small_gemm_rows for p in plan_graphs(m, cc)} == {rows}
     g = torch.Generator().manual_seed(2)
     w = torch.randn(40, 24, generator=g)
-    swapped = RegionSpec(m, "head", "decode", 8, 0, 16, swap_gemm_rows=64)
+    swapped = RegionSpec(m, "head", "decode", 8, 0, 16, small_gemm_rows=64)
     for M in (1, 8, 64, 65):
         x = torch.randn(M, 24, generator=g)
         torch.testing.assert_close(linear(swapped, x, w), x @ w.T)
