@@ -73,7 +73,7 @@ def bench_transformers(ck: Path, vocab: int) -> dict:
     short = torch.tensor(prompts(1, 32, vocab))
 
     def gen(x, n):
-        return hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     t1 = timed(lambda: gen(short, 1), 2)
     tn = timed(lambda: gen(short, DECODE_TOKENS + 1), 2)
     batch = torch.tensor(prompts(BATCH, 32, vocab, seed=1))

@@ -279,7 +279,8 @@ def experts_dense(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weights:
     """Every local expert on every token, weighted by the gate (zero for experts not chosen). -> [T, D] fp32."""
     local_ids = w["rank.expert_ids"]                                         # [E] global ids held here
     combine = ((ids[:, :, None] == local_ids[None, None, :]) * weights[:, :, None]).sum(1)   # [T, E]
-    gu = torch.einsum("td,efd->etf", x, w["moe.experts_gate_up"])           # [E, T, 2I]
+    E, F2, D = w["moe.experts_gate_up"].shape
+    gu = linear(spec, x, w["moe.experts_gate_up"].reshape(E * F2, D)).view(-1, E, F2).transpose(0, 1)  # [E, T, 2I]
     g, u = gu.chunk(2, dim=-1)
     y = torch.einsum("eti,edi->etd", F.silu(g) * u, w["moe.experts_down"])  # [E, T, D]
     return torch.einsum("etd,te->td", y.float(), combine)
