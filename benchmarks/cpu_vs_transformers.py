@@ -7,7 +7,8 @@ Builds random-weight DeepSeek-V3 checkpoints with transformers' save_pretrained,
 ms/token at batch 1, decode tokens/s at 16 concurrent sequences, and the time to the first tokens of 16
 concurrent 32-token prompts, each with the ratio to transformers (its batched `generate`).
 With --layouts, decode ms/token per cp x ep layout and the collectives' share of a decode step.
-Same threads for everyone (torch.get_num_threads()). Ratios matter more than absolute numbers here.
+Same threads for everyone (torch.get_num_threads()); each figure is the best of 2-5 runs. Ratios matter
+more than absolute numbers here.
 The roofline row is the best any engine could do on this machine (benchmarks/roofline.py): decode floored by
 reading the step's fp32 weights at the measured copy bandwidth, prefill by its FLOPs at the measured GEMM
 rate (or its weights, whichever is slower); its "x HF" is the largest ratio to transformers physically possible.
@@ -74,11 +75,11 @@ def bench_transformers(ck: Path, vocab: int) -> dict:
 
     def gen(x, n):
         return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    t1 = timed(lambda: gen(short, 1), 2)
-    tn = timed(lambda: gen(short, DECODE_TOKENS + 1), 2)
+    t1 = timed(lambda: gen(short, 1), 3)
+    tn = timed(lambda: gen(short, DECODE_TOKENS + 1), 3)
     batch = torch.tensor(prompts(BATCH, 32, vocab, seed=1))
     b1 = timed(lambda: gen(batch, 1), 2)
-    bn = timed(lambda: gen(batch, DECODE_TOKENS + 1), 1)
+    bn = timed(lambda: gen(batch, DECODE_TOKENS + 1), 2)
     return {"prefill_tok_s": PREFILL_LEN / prefill, "decode_ms": 1e3 * (tn - t1) / DECODE_TOKENS,
             "batch_tok_s": BATCH * DECODE_TOKENS / (bn - b1), "batch_ttft_ms": 1e3 * b1, "note": f"experts={impl}"}
 
@@ -93,11 +94,11 @@ def bench_engine(engine, vocab: int) -> dict:
     p = prompts(1, PREFILL_LEN, vocab)
     prefill = timed(lambda: gen(p, 1))
     short = prompts(1, 32, vocab)
-    t1 = timed(lambda: gen(short, 1))
-    tn = timed(lambda: gen(short, DECODE_TOKENS + 1))
+    t1 = timed(lambda: gen(short, 1), 5)
+    tn = timed(lambda: gen(short, DECODE_TOKENS + 1), 5)
     batch = prompts(BATCH, 32, vocab, seed=1)
-    b1 = timed(lambda: gen(batch, 1), 2)
-    bn = timed(lambda: gen(batch, DECODE_TOKENS + 1), 2)
+    b1 = timed(lambda: gen(batch, 1), 3)
+    bn = timed(lambda: gen(batch, DECODE_TOKENS + 1), 3)
     return {"prefill_tok_s": PREFILL_LEN / prefill, "decode_ms": 1e3 * (tn - t1) / DECODE_TOKENS,
             "batch_tok_s": BATCH * DECODE_TOKENS / (bn - b1), "batch_ttft_ms": 1e3 * b1}
 
