@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from roofline import copy_bandwidth, decode_step_params
+from roofline import copy_bandwidth, decode_step_params, sync
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
@@ -60,11 +60,6 @@ class StateDictCheckpoint:
         t = self.sd[name]
         assert shape is None or tuple(t.shape) == tuple(shape), (name, t.shape, shape)
         return t
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: tuple[int, ...], limit: int):

@@ -51,31 +51,33 @@ def _expert(m) -> int:
     return 3 * m.hidden_size * m.moe_intermediate_size
 
 
+def _touched(m, tokens: int) -> float:
+    """Distinct routed experts `tokens` tokens touch in one layer (expected, uniform routing)."""
+    E, K = m.n_routed_experts, m.num_experts_per_tok
+    return E * (1 - (1 - K / E) ** tokens) if E else 0.0
+
+
 def decode_step_params(m, batch: int) -> float:
     """Weights a decode step over `batch` sequences reads: everything a token uses except its routed experts,
     the LM head, and the distinct routed experts the batch touches (expected, uniform routing)."""
-    pc = m.param_counts()
-    E, K = m.n_routed_experts, m.num_experts_per_tok
-    fixed = pc["active_per_token"] - m.num_moe_layers * K * _expert(m)
+    fixed = m.param_counts()["active_per_token"] - m.num_moe_layers * m.num_experts_per_tok * _expert(m)
     if m.tie_word_embeddings:                      # the head reads the embedding matrix
         fixed += m.vocab_size * m.hidden_size
-    touched = E * (1 - (1 - K / E) ** batch) if E else 0.0
-    return fixed + m.num_moe_layers * touched * _expert(m)
+    return fixed + m.num_moe_layers * _touched(m, batch) * _expert(m)
 
 
 def step_floor_s(m, tokens: int, context: float, logit_rows: int, bytes_per_param: int, bandwidth: float,
                  flops: float) -> float:
     """Least time for one step over `tokens` new tokens (attention over `context` keys per token on average,
-    logits for `logit_rows`; the experts the tokens touch, expected under uniform routing): the routed experts and the rest of the weights each take the
-    longer of reading them once and computing with them (a few rows per expert read at memory speed; a weight
-    every token uses is compute-bound once the rows outnumber the machine's FLOP-per-byte balance)."""
-    pc = m.param_counts()
-    K, expert = m.num_experts_per_tok, _expert(m)
-    routed_read = decode_step_params(m, tokens) - (decode_step_params(m, 1) - m.num_moe_layers * K * expert)
+    logits for `logit_rows`; the experts the tokens touch, expected under uniform routing): the routed experts
+    and the rest of the weights each take the longer of reading them once and computing with them (a few rows
+    per expert read at memory speed; a weight every token uses is compute-bound once the rows outnumber the
+    machine's FLOP-per-byte balance)."""
+    K, expert, L = m.num_experts_per_tok, _expert(m), m.num_moe_layers
     head = m.vocab_size * m.hidden_size
-    other = pc["active_per_token"] - m.num_moe_layers * K * expert - (0 if m.tie_word_embeddings else head)
+    other = m.param_counts()["active_per_token"] - L * K * expert - (0 if m.tie_word_embeddings else head)
     attn = 2 * context * m.num_attention_heads * (m.qk_head_dim + m.v_head_dim) * m.num_hidden_layers
-    routed = max(bytes_per_param * routed_read / bandwidth, 2 * m.num_moe_layers * K * expert * tokens / flops)
+    routed = max(bytes_per_param * L * _touched(m, tokens) * expert / bandwidth, 2 * L * K * expert * tokens / flops)
     rest = max(bytes_per_param * (other + head) / bandwidth,
                (2 * other * tokens + attn * tokens + 2 * head * logit_rows) / flops)
     return routed + rest
