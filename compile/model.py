@@ -213,19 +213,24 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         o = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), w["attn.w_uv"])
     else:
         # Prefill chunk: expand the packed context's latents to per-head keys and values once (cheaper than
-        # the absorbed form when many queries share one context, and transformers' own form).
+        # the absorbed form when many queries share one context, and transformers' own form). Head-major
+        # [H, T, C] scores from one bmm over the whole qk head (the shared rope key broadcast to every head):
+        # 1.5-1.6x faster than token-major scores from two einsums (compiled, 2 threads, T = 256).
         c_ctx, k_pe_ctx = ctx[0, :, :kvr], ctx[0, :, kvr:]
-        k_nope = torch.einsum("cl,hdl->chd", c_ctx, w["attn.w_uk"])                      # [C, H, dn]
-        v = torch.einsum("cl,hvl->chv", c_ctx, w["attn.w_uv"])                           # [C, H, dv]
-        scores = torch.einsum("thd,chd->thc", q_nope, k_nope) + torch.einsum("thr,cr->thc", q_pe, k_pe_ctx)
-        scores = scores.float().mul(m.softmax_scale).masked_fill(mask, float("-inf"))
-        o = _attend(spec, scores, lambda p: torch.einsum("thc,chv->thv", p.to(v.dtype), v).float(), comm)
-        o = o.to(x.dtype)
+        k_nope = torch.einsum("cl,hdl->hcd", c_ctx, w["attn.w_uk"])                      # [H, C, dn]
+        k = torch.cat([k_nope, k_pe_ctx[None].expand(H, -1, dr)], dim=-1)              # [H, C, dn + dr]
+        v = torch.einsum("cl,hvl->hcv", c_ctx, w["attn.w_uv"])                           # [H, C, dv]
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)                             # [H, T, dn + dr]
+        scores = torch.bmm(q, k.transpose(1, 2))                                         # [H, T, C]
+        scores = scores.float().mul(m.softmax_scale).masked_fill(mask.transpose(0, 1), float("-inf"))
+        o = _attend(spec, scores, lambda p: torch.bmm(p.to(v.dtype), v).float(), comm)  # [H, T, dv]
+        o = o.transpose(0, 1).to(x.dtype)
     return linear(spec, o.reshape(T, -1), w["attn.o_proj"])
 
 
 def _attend(spec: RegionSpec, scores: torch.Tensor, weighted_values, comm: Comm) -> torch.Tensor:
-    """softmax(scores) applied to the values, [T, H, C] -> [T, H, X] fp32. With CP: partial attention over
+    """softmax(scores) applied to the values, [.., C] -> [.., X] fp32 (decode token-major [T, H, C], prefill
+    head-major [H, T, C]). With CP: partial attention over
     this rank's keys, then one packed fp32 all-gather of (output, log-sum-exp) and an exact merge."""
     if spec.cp == 1:
         return weighted_values(torch.softmax(scores, dim=-1))

@@ -76,6 +76,9 @@ GraphFn = Callable[..., object]
 def load_graph(art: Artifact, g: GraphEntry, device: torch.device, rank: int = 0) -> GraphFn:
     backend = art.manifest.compile.backend
     path = str(art.file(g.file))
+    if device.type == "cpu":
+        from . import cpu_kernels
+        cpu_kernels.available()          # build or load the CPU kernels now, not in the first request
     if backend == "cpu":
         return _FlatAOTI(_load_aoti(path), [w.key for w in g.weights])
     if backend == "eager":

@@ -3,6 +3,8 @@ capacity-grouped == dense when nothing overflows, and an overflow is flagged and
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -147,8 +149,9 @@ def test_grouped_skips_padding(checkpoints):
     torch.testing.assert_close(out[:9], experts_dense(spec, x, ids, weights, w)[:9], rtol=1e-5, atol=1e-6)
 
 
-def test_grouped_mm_fallback_matches_native():
+def test_grouped_mm_fallback_matches_native(monkeypatch):
     """The masked-loop fallback (devices or dtypes without torch._grouped_mm) computes the same rows."""
+    monkeypatch.setattr(ops, "KERNEL_MAX_ROWS_PER_GROUP", 0)       # torch's paths, not the CPU kernel
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(11, 8, generator=g), torch.randn(3, 8, 5, generator=g)
     offs = torch.tensor([2, 2, 9], dtype=torch.int32)               # an empty group; rows 9, 10 in none
@@ -169,6 +172,7 @@ def test_grouped_mm_swapped_operands_match(monkeypatch):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(13, 64, generator=g), torch.randn(4, 64, 48, generator=g)
     offs = torch.tensor([3, 3, 8, 12], dtype=torch.int32)           # an empty group; row 12 in none
+    monkeypatch.setattr(ops, "KERNEL_MAX_ROWS_PER_GROUP", 0)
     monkeypatch.setattr(ops, "SWAP_MIN_WEIGHT", 64 * 48)
     assert ops._swap_operands(x, w)
     out = torch.ops.deepinfer.grouped_mm(x, w, offs)
@@ -178,6 +182,55 @@ def test_grouped_mm_swapped_operands_match(monkeypatch):
     monkeypatch.setattr(ops, "SWAP_MIN_WEIGHT", 64 * 48 + 1)
     assert not ops._swap_operands(x, w)
     torch.testing.assert_close(torch.ops.deepinfer.grouped_mm(x, w, offs)[:12], ref)
+
+
+def _kernels_or_skip():
+    from deepinfer.runtime import cpu_kernels
+    reason = cpu_kernels.unavailable_reason()
+    if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert reason is None, reason          # this machine can run them: a failed build is a failure
+    elif reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7)])
+@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
+def test_grouped_rows_kernel_matches(K, N, offs_dtype):
+    """The CPU few-rows kernel against per-group matmuls in float64: groups of 0-9 rows (register tiles of 4
+    rows and 3 weight rows, with every remainder), K not a multiple of the vector width, rows in no group."""
+    _kernels_or_skip()
+    g = torch.Generator().manual_seed(K * N)
+    sizes = [0, 1, 2, 3, 4, 5, 9, 0, 7]
+    M = sum(sizes) + 2
+    x = torch.randn(K, M, generator=g).t()                      # not contiguous
+    wt = torch.randn(len(sizes), N, K, generator=g)
+    offs = torch.tensor(sizes).cumsum(0).to(offs_dtype)
+    out = torch.ops.deepinfer_cpu.grouped_rows_mm(x, wt, offs)
+    ref = torch.zeros(M, N, dtype=torch.float64)
+    start = 0
+    for e, n in enumerate(sizes):
+        ref[start:start + n] = x[start:start + n].double() @ wt[e].double().T
+        start += n
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.count_nonzero(out[start:]) == 0
+
+
+def test_grouped_mm_takes_the_kernel_for_few_rows(monkeypatch):
+    """deepinfer::grouped_mm routes CPU fp32 groups of at most KERNEL_MAX_ROWS_PER_GROUP rows to the kernel."""
+    _kernels_or_skip()
+    calls = []
+    real = torch.ops.deepinfer_cpu.grouped_rows_mm
+    monkeypatch.setattr(torch.ops.deepinfer_cpu, "grouped_rows_mm", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 32, 40, generator=g)                     # [G, K, N]
+    for rows, expect in ((64, 1), (65, 0)):                    # 16 rows a group on average: kernel; 16.25: torch
+        x = torch.randn(rows, 32, generator=g)
+        offs = torch.tensor([rows // 4, rows // 2, 3 * rows // 4, rows], dtype=torch.int32)
+        calls.clear()
+        out = torch.ops.deepinfer.grouped_mm(x, w, offs)
+        assert len(calls) == expect
+        ref = torch.cat([x[int(a):int(b)] @ w[e] for e, (a, b) in enumerate(zip([0] + offs[:-1].tolist(), offs.tolist()))])
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_moe_path_per_bucket(checkpoints):

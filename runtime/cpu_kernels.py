@@ -1,0 +1,74 @@
+"""Hand-written CPU kernels (runtime/csrc/), built once per machine with torch.utils.cpp_extension.
+
+Only what torch and Inductor do not do well enough: `grouped_rows_mm`, the MoE grouped GEMM for groups of a few
+rows (decode), where MKL's sgemm runs far under the memory peak. They are an optimisation, never a dependency:
+when they cannot be used here (not x86-64 with AVX2, no C++ compiler, a failed build, DEEPINFER_CPU_KERNELS=0),
+`available()` says False once, with the reason, and callers keep torch's own path.
+
+The build (~20 s, two cores) happens at the first `available()` call, which the runtime makes while it loads a
+CPU artifact, so no request waits for it; later processes find it in torch's extension cache
+($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by the source's hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("deepinfer")
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "grouped_rows_mm.cpp"
+ENV = "DEEPINFER_CPU_KERNELS"
+
+_state: dict[str, object] = {}
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot be used here (None: they can). Builds them on the first call."""
+    if "reason" not in _state:
+        _state["reason"] = _load()
+        if _state["reason"] is not None:
+            log.info("CPU kernels not used: %s", _state["reason"])
+    return _state["reason"]          # type: ignore[return-value]
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def _load() -> str | None:
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"no kernels for {platform.machine()} (x86-64 AVX2 only)"
+    try:
+        caps = torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        caps = "unknown"
+    if caps not in ("AVX2", "AVX512"):
+        return f"this CPU's vector ISA is {caps}; the kernels need AVX2 and FMA"
+    if hasattr(torch.ops, "deepinfer_cpu") and hasattr(torch.ops.deepinfer_cpu, "grouped_rows_mm"):
+        return None                  # already loaded in this process
+    if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH; the pip wheel's may not be on it
+        try:
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            return "ninja is not installed (pip install ninja)"
+    try:
+        from torch.utils import cpp_extension
+        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+        log.info("loading the CPU grouped-GEMM kernel (built once per machine, ~20 s)")
+        cpp_extension.load(name=f"deepinfer_cpu_{digest}", sources=[str(SOURCE)], is_python_module=False,
+                           extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           verbose=False)
+    except Exception as e:           # no compiler, no ninja, a failed build: torch's path stays
+        last = (str(e).strip().splitlines() or [""])[-1][:300]
+        return f"building {SOURCE.name} failed: {type(e).__name__}: {last}"
+    return None

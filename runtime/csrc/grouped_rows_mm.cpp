@@ -1,0 +1,110 @@
+// deepinfer_cpu::grouped_rows_mm: a grouped GEMM for groups of a few rows, fp32, x86-64 AVX2 + FMA.
+//
+//   out[r, n] = sum_k x[r, k] * wt[g, n, k]   for the rows r of group g (offs: cumulative row ends, int32/64);
+//   rows at or past offs[G-1] are zero.
+//
+// MoE decode: a handful of (token, expert) rows per expert, each expert's weight a few MB. MKL's sgemm at that
+// shape runs far under both the memory and the FLOP peak; here each group's weight streams from memory once,
+// kNW weight rows at a time, and meets up to 4 of the group's rows (L1-resident) in 12 register accumulators.
+// Built at first use by runtime/cpu_kernels.py (torch.utils.cpp_extension); torch's own thread pool runs it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+
+namespace {
+
+constexpr int kNW = 3;            // weight rows per register tile (3 x 4 accumulators + 3 + 1 = 16 ymm)
+constexpr int64_t kBlockN = 48;   // weight rows per parallel task
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// NW weight rows (w, row stride K) against R activation rows (x, row stride K) -> out[j * ldo + i].
+template <int NW, int R>
+inline void tile(const float* w, const float* x, int64_t K, float* out, int64_t ldo) {
+  __m256 acc[NW][R];
+#pragma GCC unroll 4
+  for (int i = 0; i < NW; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < R; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NW];
+#pragma GCC unroll 4
+    for (int i = 0; i < NW; ++i) wv[i] = _mm256_loadu_ps(w + i * K + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < R; ++j) {
+      const __m256 xv = _mm256_loadu_ps(x + j * K + k);
+#pragma GCC unroll 4
+      for (int i = 0; i < NW; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int j = 0; j < R; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t kk = k; kk < K; ++kk) s += w[i * K + kk] * x[j * K + kk];
+      out[j * ldo + i] = s;
+    }
+}
+
+template <int NW>
+inline void weight_rows(const float* w, const float* x, int64_t rows, int64_t K, float* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) tile<NW, 4>(w, x + r * K, K, out + r * ldo, ldo);
+  switch (rows - r) {
+    case 3: tile<NW, 3>(w, x + r * K, K, out + r * ldo, ldo); break;
+    case 2: tile<NW, 2>(w, x + r * K, K, out + r * ldo, ldo); break;
+    case 1: tile<NW, 1>(w, x + r * K, K, out + r * ldo, ldo); break;
+    default: break;
+  }
+}
+
+at::Tensor grouped_rows_mm(const at::Tensor& x_, const at::Tensor& wt_, const at::Tensor& offs_) {
+  TORCH_CHECK(x_.device().is_cpu() && wt_.device().is_cpu() && offs_.device().is_cpu(),
+              "grouped_rows_mm: CPU tensors only");
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && wt_.scalar_type() == at::kFloat, "grouped_rows_mm: fp32 only");
+  TORCH_CHECK(x_.dim() == 2 && wt_.dim() == 3 && offs_.dim() == 1,
+              "grouped_rows_mm: x [M, K], wt [G, N, K], offs [G]");
+  const at::Tensor x = x_.contiguous(), wt = wt_.contiguous(), offs = offs_.to(at::kLong).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = wt.size(0), N = wt.size(1);
+  TORCH_CHECK(wt.size(2) == K, "grouped_rows_mm: x has K = ", K, ", wt has K = ", wt.size(2));
+  TORCH_CHECK(offs.size(0) == G, "grouped_rows_mm: ", G, " groups but ", offs.size(0), " offsets");
+  at::Tensor out = at::zeros({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = wt.data_ptr<float>();
+  const int64_t* op = offs.data_ptr<int64_t>();
+  float* outp = out.data_ptr<float>();
+  const int64_t blocks = (N + kBlockN - 1) / kBlockN;
+  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g = t / blocks, n0 = (t % blocks) * kBlockN, n1 = std::min(N, n0 + kBlockN);
+      const int64_t r0 = g == 0 ? 0 : std::clamp<int64_t>(op[g - 1], 0, M);
+      const int64_t r1 = std::clamp<int64_t>(op[g], r0, M);
+      if (r1 == r0) continue;
+      const float* w = wp + g * N * K;
+      const float* xr = xp + r0 * K;
+      float* o = outp + r0 * N;
+      int64_t n = n0;
+      for (; n + kNW <= n1; n += kNW) weight_rows<kNW>(w + n * K, xr, r1 - r0, K, o + n, N);
+      for (; n < n1; ++n) weight_rows<1>(w + n * K, xr, r1 - r0, K, o + n, N);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(deepinfer_cpu, m) {
+  m.def("grouped_rows_mm(Tensor x, Tensor wt, Tensor offs) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
+  m.impl("grouped_rows_mm", grouped_rows_mm);
+}
