@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..common.manifest import DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER
 from ..common.model_config import ModelConfig
-from ..runtime import ops  # noqa: F401  (registers torch.ops.deepinfer.grouped_mm)
+from ..runtime import ops  # noqa: F401  (registers torch.ops.deepinfer.grouped_mm, rows_linear)
 
 Weights = dict[str, torch.Tensor]
 
@@ -134,14 +134,23 @@ def linear(spec: RegionSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     `spec.small_gemm_rows`; 0 elsewhere). MKL's sgemm with a small M and a transposed weight runs far below both
     its FLOP and its memory peak. One row: a multiply-sum that Inductor compiles into one vectorised reduction
     streaming the weight (weights 0.5-64 MB, out of cache: 19-25 GB/s where MKL reads 13-18). 2..M rows:
-    (w @ x.T).T, the few rows becoming the narrow side (1.3-3x faster at M = 4..64). At M = 256 the plain form
-    is as fast, so prefill chunks keep it. On the `mid` benchmark model (2 threads): decode at batch 1
-    26-29 -> 18-19 ms/token, at batch 16 the dense layer 11.3 -> 7.3 ms and the head 19.2 -> 11.4 ms."""
+    (w @ x.T).T, the few rows becoming the narrow side (1.3-3x faster at M = 4..64); from ROWS_LINEAR_MIN_WEIGHT
+    weight elements up, `deepinfer::rows_linear`, the hand-written kernel where it runs (1.3-1.9x faster again).
+    At M = 256 the plain form is as fast, so prefill chunks keep it. On the `mid` benchmark model (2 threads):
+    decode at batch 1 26-29 -> 18-19 ms/token, at batch 16 the dense layer 11.3 -> 7.3 ms and the head
+    19.2 -> 11.4 ms (before rows_linear)."""
     if x.shape[0] == 1 and spec.small_gemm_rows:
         return (w * x).sum(-1)[None]
     if 1 < x.shape[0] <= spec.small_gemm_rows:
+        if w.numel() >= ROWS_LINEAR_MIN_WEIGHT:
+            return torch.ops.deepinfer.rows_linear(x, w)
         return (w @ x.t()).t()
     return F.linear(x, w)
+
+
+# From this many weight elements up, a CPU few-row linear goes to `deepinfer::rows_linear` (the hand-written
+# kernel, runtime/ops.py); below it the op's call overhead (tens of microseconds) outweighs the gain.
+ROWS_LINEAR_MIN_WEIGHT = 1 << 18
 
 
 def swiglu(spec: RegionSpec, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

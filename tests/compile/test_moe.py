@@ -266,8 +266,21 @@ def test_cpu_graphs_take_small_gemm_forms_only(checkpoints):
                                     backend=backend), m)
         assert {p.spec.small_gemm_rows for p in plan_graphs(m, cc)} == {rows}
     g = torch.Generator().manual_seed(2)
-    w = torch.randn(40, 24, generator=g)
     swapped = RegionSpec(m, "head", "decode", 8, 0, 16, small_gemm_rows=64)
-    for M in (1, 8, 64, 65):
-        x = torch.randn(M, 24, generator=g)
-        torch.testing.assert_close(linear(swapped, x, w), x @ w.T)
+    for w in (torch.randn(40, 24, generator=g), torch.randn(520, 509, generator=g)):   # small; rows_linear
+        for M in (1, 2, 8, 64, 65):
+            x = torch.randn(M, w.shape[1], generator=g)
+            torch.testing.assert_close(linear(swapped, x, w), x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_rows_linear_without_the_kernel(monkeypatch):
+    """deepinfer::rows_linear is F.linear with or without the CPU kernel."""
+    from deepinfer.runtime import cpu_kernels
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(5, 70, generator=g), torch.randn(33, 70, generator=g)
+    with_kernel = torch.ops.deepinfer.rows_linear(x, w)
+    monkeypatch.setitem(cpu_kernels._state, "reason", "disabled for the test")
+    without = torch.ops.deepinfer.rows_linear(x, w)
+    assert without.is_contiguous()
+    torch.testing.assert_close(with_kernel, x @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(without, x @ w.T, rtol=1e-5, atol=1e-5)
