@@ -239,8 +239,8 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
 
 def _attend(spec: RegionSpec, scores: torch.Tensor, weighted_values, comm: Comm) -> torch.Tensor:
     """softmax(scores) applied to the values, [.., C] -> [.., X] fp32 (decode token-major [T, H, C], prefill
-    head-major [H, T, C]). With CP: partial attention over
-    this rank's keys, then one packed fp32 all-gather of (output, log-sum-exp) and an exact merge."""
+    head-major [H, T, C]). With CP: partial attention over this rank's keys, then one packed fp32 all-gather of
+    (output, log-sum-exp) and an exact merge."""
     if spec.cp == 1:
         return weighted_values(torch.softmax(scores, dim=-1))
     mx = scores.amax(dim=-1, keepdim=True)

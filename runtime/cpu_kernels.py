@@ -1,7 +1,8 @@
 """Hand-written CPU kernels (runtime/csrc/), built once per machine with torch.utils.cpp_extension.
 
-Only what torch and Inductor do not do well enough: `grouped_rows_mm`, the MoE grouped GEMM for groups of a few
-rows (decode), where MKL's sgemm runs far under the memory peak. They are an optimisation, never a dependency:
+Only what torch and Inductor do not do well enough: `grouped_rows_mm`, a GEMM for groups of a few rows, where
+MKL's sgemm runs far under the memory peak: the MoE decode experts (`deepinfer::grouped_mm`) and, as one group,
+CPU graphs' few-row linears on big weights (`deepinfer::rows_linear`). They are an optimisation, never a dependency:
 when they cannot be used here (not x86-64 with AVX2, no C++ compiler, a failed build, DEEPINFER_CPU_KERNELS=0),
 `available()` says False once, with the reason, and callers keep torch's own path.
 
@@ -53,7 +54,7 @@ def _load() -> str | None:
         caps = "unknown"
     if caps not in ("AVX2", "AVX512"):
         return f"this CPU's vector ISA is {caps}; the kernels need AVX2 and FMA"
-    if hasattr(torch.ops, "deepinfer_cpu") and hasattr(torch.ops.deepinfer_cpu, "grouped_rows_mm"):
+    if hasattr(torch.ops.deepinfer_cpu, "grouped_rows_mm"):
         return None                  # already loaded in this process
     if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH; the pip wheel's may not be on it
         try:

@@ -44,11 +44,9 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     a weight of at least ROWS_LINEAR_MIN_WEIGHT elements (`compile.model.linear`). The CPU kernel as one group
     where it runs (1.3-1.9x faster than MKL's (w @ x.T).T at 4-16 rows on the `mid` model's projections, head
     and MLP; 1.25x on the demo model's head at 16 rows), (w @ x.T).T elsewhere."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32:
-        from . import cpu_kernels
-        if cpu_kernels.available():
-            offs = torch.full((1,), x.shape[0], dtype=torch.int32)
-            return torch.ops.deepinfer_cpu.grouped_rows_mm(x, w[None], offs)
+    if _kernel_runs(x, w):
+        offs = torch.full((1,), x.shape[0], dtype=torch.int32)
+        return torch.ops.deepinfer_cpu.grouped_rows_mm(x, w[None], offs)
     return (w @ x.t()).t().contiguous()
 
 
@@ -66,9 +64,12 @@ def _few_rows_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
     at 1, 4 and 16 rows a group 1.7-1.9x, 2.0x and 1.9-2.0x faster, their down projection (K = 512) at 4 rows
     1.2-1.6x; V2-Lite-size experts at 48 rows over 64 experts 2.3-2.6x; demo-model experts at 4 rows 3.3-3.9x.
     At 64 rows a group MKL's blocking wins (0.7x on `mid`'s gate-up), so prefill chunks keep torch's path."""
+    return x.shape[0] <= KERNEL_MAX_ROWS_PER_GROUP * w.shape[0] and _kernel_runs(x, w)
+
+
+def _kernel_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The hand-written kernel takes fp32 CPU tensors, where it was built (runtime/cpu_kernels.py)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32:
-        return False
-    if x.shape[0] > KERNEL_MAX_ROWS_PER_GROUP * w.shape[0]:
         return False
     from . import cpu_kernels
     return cpu_kernels.available()
