@@ -1,14 +1,17 @@
 """Hand-written CPU kernels (runtime/csrc/), built once per machine with torch.utils.cpp_extension.
 
 Only what torch and Inductor do not do well enough: `grouped_rows_mm`, a GEMM for groups of a few rows, where
-MKL's sgemm runs far under the memory peak: the MoE decode experts (`deepinfer::grouped_mm`) and, as one group,
-CPU graphs' few-row linears on big weights (`deepinfer::rows_linear`). They are an optimisation, never a dependency:
-when they cannot be used here (not x86-64 with AVX2, no C++ compiler, a failed build, DEEPINFER_CPU_KERNELS=0),
-`available()` says False once, with the reason, and callers keep torch's own path.
+MKL's sgemm runs far under the memory peak (the MoE decode experts, and as one group CPU graphs' few-row linears
+on big weights), and `paged_mla_decode`, decode attention read straight from the paged latent pool. The library
+also registers C++ CPU implementations of the graphs' ops (`deepinfer::grouped_mm`, `rows_linear`,
+`paged_mla_decode`, defined in runtime/ops.py), so a compiled graph's call reaches them without entering Python.
+They are an optimisation, never a dependency: when they cannot be used here (not x86-64 with AVX2, no C++
+compiler, a failed build, DEEPINFER_CPU_KERNELS=0), `available()` says False once, with the reason, and the ops
+keep their Python bodies (torch's own paths).
 
-The build (~20 s, two cores) happens at the first `available()` call, which the runtime makes while it loads a
+The build (~30 s, two cores) happens at the first `available()` call, which the runtime makes while it loads a
 CPU artifact, so no request waits for it; later processes find it in torch's extension cache
-($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by the source's hash.
+($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by the sources' hash.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 log = logging.getLogger("deepinfer")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "grouped_rows_mm.cpp"
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("grouped_rows_mm.cpp", "paged_mla_decode.cpp")]
 ENV = "DEEPINFER_CPU_KERNELS"
 
 _state: dict[str, object] = {}
@@ -54,7 +57,7 @@ def _load() -> str | None:
         caps = "unknown"
     if caps not in ("AVX2", "AVX512"):
         return f"this CPU's vector ISA is {caps}; the kernels need AVX2 and FMA"
-    if hasattr(torch.ops.deepinfer_cpu, "grouped_rows_mm"):
+    if hasattr(torch.ops.deepinfer_cpu, "paged_mla_decode"):
         return None                  # already loaded in this process
     if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH; the pip wheel's may not be on it
         try:
@@ -62,14 +65,15 @@ def _load() -> str | None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             return "ninja is not installed (pip install ninja)"
+    from . import ops        # noqa: F401  the deepinfer:: ops the library gives CPU implementations to
     try:
         from torch.utils import cpp_extension
-        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-        log.info("loading the CPU grouped-GEMM kernel (built once per machine, ~20 s)")
-        cpp_extension.load(name=f"deepinfer_cpu_{digest}", sources=[str(SOURCE)], is_python_module=False,
+        digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)).hexdigest()[:12]
+        log.info("loading the CPU kernels (built once per machine, ~30 s)")
+        cpp_extension.load(name=f"deepinfer_cpu_{digest}", sources=[str(src) for src in SOURCES], is_python_module=False,
                            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            verbose=False)
     except Exception as e:           # no compiler, no ninja, a failed build: torch's path stays
         last = (str(e).strip().splitlines() or [""])[-1][:300]
-        return f"building {SOURCE.name} failed: {type(e).__name__}: {last}"
+        return f"building the kernels in {SOURCES[0].parent} failed: {type(e).__name__}: {last}"
     return None

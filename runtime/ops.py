@@ -3,6 +3,12 @@
 Importing this module registers them. The compiler traces them as opaque calls (their fake kernels give the
 shapes), and AOTInductor packages call them back through the dispatcher, so every process that loads a graph
 imports this module first (runtime/artifact.py does).
+
+The Python bodies below are the portable implementations. On CPU, once the hand-written kernels are loaded
+(runtime/cpu_kernels.py), runtime/csrc registers C++ implementations for the CPU dispatch key that take their
+place: the same choices (kernel or torch's path), without a trip through Python on every call from a compiled
+graph (20-60 us a call measured here, tens of calls a decode step). The `*_torch` functions are the paths that
+do not need the kernels, callable directly.
 """
 
 import torch   # no `from __future__ import annotations`: custom_op reads the annotations as real types
@@ -22,6 +28,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     sync, so it stays CUDA-graph safe)."""
     if _few_rows_kernel(x, w):
         return torch.ops.deepinfer_cpu.grouped_rows_mm(x, w.transpose(1, 2), offs)
+    return grouped_mm_torch(x, w, offs)
+
+
+def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """deepinfer::grouped_mm with torch's ops only: torch._grouped_mm where it runs, else a masked loop."""
     key = (x.device.type, x.dtype)
     if key not in _NATIVE_FAILED and hasattr(torch, "_grouped_mm"):
         try:
@@ -47,6 +58,10 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if _kernel_runs(x, w):
         offs = torch.full((1,), x.shape[0], dtype=torch.int32)
         return torch.ops.deepinfer_cpu.grouped_rows_mm(x, w[None], offs)
+    return rows_linear_torch(x, w)
+
+
+def rows_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (w @ x.t()).t().contiguous()
 
 
@@ -55,6 +70,46 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     torch._check(x.dim() == 2 and w.dim() == 2, lambda: "rows_linear: x [M, K], w [N, K]")
     torch._check(x.shape[1] == w.shape[1], lambda: f"rows_linear: K mismatch {x.shape[1]} vs {w.shape[1]}")
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("deepinfer::paged_mla_decode", mutates_args=())
+def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, valid: torch.Tensor,
+                     kv_lora_rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode attention over the paged latent pool: q [T, H, Dc] (absorbed nope part, then rope
+    part), kv_cache [NB, bs, Dc], block_tables [T, B] (pool blocks, key order), valid [T, B * bs] bool ->
+    (o [T, H, kv_lora_rank] fp32: softmax(scale * q . k) over the valid keys applied to their c_kv, zero where
+    no key is valid; lse [T, H] fp32: the scores' log-sum-exp, -inf where no key is valid, for the CP merge).
+
+    What CPU decode graphs call (`compile.model.mla_attention`): the hand-written kernel
+    (runtime/csrc/paged_mla_decode.cpp) reads each token's keys where they lie in the pool; without it, the
+    gather + two batched GEMMs below, the form the other backends' graphs inline."""
+    if _kernel_runs(q, kv_cache):
+        return torch.ops.deepinfer_cpu.paged_mla_decode(q, kv_cache, block_tables, valid, kv_lora_rank, scale)
+    return paged_mla_decode_torch(q, kv_cache, block_tables, valid, kv_lora_rank, scale)
+
+
+def paged_mla_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, valid: torch.Tensor,
+                           kv_lora_rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    ctx = kv_cache[block_tables].flatten(1, 2).to(q.dtype)                   # [T, C, Dc]
+    scores = torch.bmm(q, ctx.transpose(1, 2)).float() * scale                # [T, H, C]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    mx = scores.amax(dim=-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    e = torch.exp(scores - mx)
+    denom = e.sum(dim=-1, keepdim=True)
+    o = torch.bmm(e.to(ctx.dtype), ctx[..., :kv_lora_rank]).float() / denom.clamp_min(1e-30)
+    lse = torch.where(denom > 0, mx + torch.log(denom.clamp_min(1e-30)), torch.full_like(mx, float("-inf")))
+    return o, lse.squeeze(-1)
+
+
+@paged_mla_decode.register_fake
+def _(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, valid: torch.Tensor,
+      kv_lora_rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    T, H, Dc = q.shape
+    torch._check(kv_cache.dim() == 3 and kv_cache.shape[2] == Dc, lambda: "paged_mla_decode: kv_cache [NB, bs, Dc]")
+    torch._check(block_tables.dim() == 2 and block_tables.shape[0] == T, lambda: "paged_mla_decode: tables [T, B]")
+    torch._check(valid.shape == (T, block_tables.shape[1] * kv_cache.shape[1]), lambda: "paged_mla_decode: valid [T, C]")
+    return q.new_empty(T, H, kv_lora_rank, dtype=torch.float32), q.new_empty(T, H, dtype=torch.float32)
 
 
 def _few_rows_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -68,7 +123,7 @@ def _few_rows_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _kernel_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """The hand-written kernel takes fp32 CPU tensors, where it was built (runtime/cpu_kernels.py)."""
+    """The hand-written kernels take fp32 CPU tensors, where they were built (runtime/cpu_kernels.py)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32:
         return False
     from . import cpu_kernels

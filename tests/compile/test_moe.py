@@ -149,18 +149,18 @@ def test_grouped_skips_padding(checkpoints):
     torch.testing.assert_close(out[:9], experts_dense(spec, x, ids, weights, w)[:9], rtol=1e-5, atol=1e-6)
 
 
-def test_grouped_mm_fallback_matches_native(monkeypatch):
+def test_grouped_mm_fallback_matches_native():
     """The masked-loop fallback (devices or dtypes without torch._grouped_mm) computes the same rows."""
-    monkeypatch.setattr(ops, "KERNEL_MAX_ROWS_PER_GROUP", 0)       # torch's paths, not the CPU kernel
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(11, 8, generator=g), torch.randn(3, 8, 5, generator=g)
     offs = torch.tensor([2, 2, 9], dtype=torch.int32)               # an empty group; rows 9, 10 in none
     ref = torch.cat([x[:2] @ w[0], x[2:9] @ w[2]])
+    torch.testing.assert_close(ops.grouped_mm_torch(x, w, offs)[:9], ref)
     torch.testing.assert_close(torch.ops.deepinfer.grouped_mm(x, w, offs)[:9], ref)
     key = (x.device.type, x.dtype)
     ops._NATIVE_FAILED.add(key)
     try:
-        out = torch.ops.deepinfer.grouped_mm(x, w, offs)
+        out = ops.grouped_mm_torch(x, w, offs)
     finally:
         ops._NATIVE_FAILED.discard(key)
     torch.testing.assert_close(out[:9], ref)
@@ -172,16 +172,15 @@ def test_grouped_mm_swapped_operands_match(monkeypatch):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(13, 64, generator=g), torch.randn(4, 64, 48, generator=g)
     offs = torch.tensor([3, 3, 8, 12], dtype=torch.int32)           # an empty group; row 12 in none
-    monkeypatch.setattr(ops, "KERNEL_MAX_ROWS_PER_GROUP", 0)
     monkeypatch.setattr(ops, "SWAP_MIN_WEIGHT", 64 * 48)
     assert ops._swap_operands(x, w)
-    out = torch.ops.deepinfer.grouped_mm(x, w, offs)
+    out = ops.grouped_mm_torch(x, w, offs)
     assert out.is_contiguous() and out.shape == (13, 48)
     ref = torch.cat([x[:3] @ w[0], x[3:8] @ w[2], x[8:12] @ w[3]])
     torch.testing.assert_close(out[:12], ref)
     monkeypatch.setattr(ops, "SWAP_MIN_WEIGHT", 64 * 48 + 1)
     assert not ops._swap_operands(x, w)
-    torch.testing.assert_close(torch.ops.deepinfer.grouped_mm(x, w, offs)[:12], ref)
+    torch.testing.assert_close(ops.grouped_mm_torch(x, w, offs)[:12], ref)
 
 
 def _kernels_or_skip():
@@ -215,22 +214,35 @@ def test_grouped_rows_kernel_matches(K, N, offs_dtype):
     assert torch.count_nonzero(out[start:]) == 0
 
 
-def test_grouped_mm_takes_the_kernel_for_few_rows(monkeypatch):
-    """deepinfer::grouped_mm routes CPU fp32 groups of at most KERNEL_MAX_ROWS_PER_GROUP rows to the kernel."""
+def test_grouped_mm_takes_the_kernel_for_few_rows():
+    """deepinfer::grouped_mm routes CPU fp32 groups of at most 16 rows on average to the kernel, larger ones to
+    one GEMM per group (a group of a few rows of a big weight with the operands swapped); rows in no group are
+    zero; bf16 never takes the kernel."""
     _kernels_or_skip()
-    calls = []
-    real = torch.ops.deepinfer_cpu.grouped_rows_mm
-    monkeypatch.setattr(torch.ops.deepinfer_cpu, "grouped_rows_mm", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(3)
     w = torch.randn(4, 32, 40, generator=g)                     # [G, K, N]
-    for rows, expect in ((64, 1), (65, 0)):                    # 16 rows a group on average: kernel; 16.25: torch
+    for rows, expect in ((64, True), (65, False)):             # 16 rows a group on average: kernel; 16.25: torch
         x = torch.randn(rows, 32, generator=g)
         offs = torch.tensor([rows // 4, rows // 2, 3 * rows // 4, rows], dtype=torch.int32)
-        calls.clear()
-        out = torch.ops.deepinfer.grouped_mm(x, w, offs)
-        assert len(calls) == expect
+        out, took = _profiled_grouped_mm(x, w, offs)
+        assert took == expect
         ref = torch.cat([x[int(a):int(b)] @ w[e] for e, (a, b) in enumerate(zip([0] + offs[:-1].tolist(), offs.tolist()))])
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    big = torch.randn(3, 512, 512, generator=g)                 # K * N = 2^18: a 2-row group swaps operands
+    x = torch.randn(62, 512, generator=g)
+    offs = torch.tensor([2, 2, 60], dtype=torch.int32)           # 20 rows a group; rows 60, 61 in none
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.5)):
+        out, took = _profiled_grouped_mm(x.to(dtype), big.to(dtype), offs)
+        assert not took and out.dtype == dtype
+        ref = torch.cat([x[:2].double() @ big[0].double(), x[2:60].double() @ big[2].double()])
+        torch.testing.assert_close(out[:60].double(), ref, rtol=2e-2, atol=tol)
+        assert torch.count_nonzero(out[60:]) == 0
+
+
+def _profiled_grouped_mm(x, w, offs):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = torch.ops.deepinfer.grouped_mm(x, w, offs)
+    return out, any(e.name == "deepinfer_cpu::grouped_rows_mm" for e in prof.events())
 
 
 def test_moe_path_per_bucket(checkpoints):
@@ -273,14 +285,51 @@ def test_cpu_graphs_take_small_gemm_forms_only(checkpoints):
             torch.testing.assert_close(linear(swapped, x, w), x @ w.T, rtol=1e-5, atol=1e-4)
 
 
-def test_rows_linear_without_the_kernel(monkeypatch):
-    """deepinfer::rows_linear is F.linear with or without the CPU kernel."""
-    from deepinfer.runtime import cpu_kernels
+def test_rows_linear_with_and_without_the_kernel():
+    """deepinfer::rows_linear is F.linear: the op (the CPU kernel where it runs; bf16 torch's path) and the
+    torch path."""
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(5, 70, generator=g), torch.randn(33, 70, generator=g)
-    with_kernel = torch.ops.deepinfer.rows_linear(x, w)
-    monkeypatch.setitem(cpu_kernels._state, "reason", "disabled for the test")
-    without = torch.ops.deepinfer.rows_linear(x, w)
+    without = ops.rows_linear_torch(x, w)
     assert without.is_contiguous()
-    torch.testing.assert_close(with_kernel, x @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.ops.deepinfer.rows_linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(without, x @ w.T, rtol=1e-5, atol=1e-5)
+    half = torch.ops.deepinfer.rows_linear(x.bfloat16(), w.bfloat16())
+    assert half.dtype == torch.bfloat16 and half.is_contiguous()
+    torch.testing.assert_close(half.float(), x @ w.T, rtol=5e-2, atol=0.3)
+
+
+def _paged_reference(q, kv, tables, valid, L, scale):
+    ctx = kv[tables].flatten(1, 2).double()
+    s = (q.double() @ ctx.transpose(1, 2)) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    return (torch.softmax(s, -1).nan_to_num(0.0) @ ctx[..., :L]), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("T,H,Dc,L,bs,B", [(16, 8, 288, 256, 16, 8), (5, 13, 83, 50, 4, 6), (1, 4, 80, 64, 16, 3)])
+def test_paged_mla_decode_matches(T, H, Dc, L, bs, B):
+    """Paged MLA decode attention against float64 over the gathered context: the CPU kernel, the op, its torch
+    path and the op's non-fp32 path; any head count and width (no multiple of 8 needed), scattered blocks, a
+    token with no valid key (zeros, lse -inf)."""
+    _kernels_or_skip()
+    g = torch.Generator().manual_seed(T * H + Dc)
+    q, kv = torch.randn(T, H, Dc, generator=g), torch.randn(40, bs, Dc, generator=g)
+    tables = torch.randint(0, 40, (T, B), generator=g)
+    valid = torch.rand(T, B * bs, generator=g) < 0.7
+    valid[0] = False
+    o_ref, lse_ref = _paged_reference(q, kv, tables, valid, L, 0.125)
+    for o, lse in (torch.ops.deepinfer_cpu.paged_mla_decode(q, kv, tables, valid, L, 0.125),
+                   torch.ops.deepinfer.paged_mla_decode(q, kv, tables, valid, L, 0.125),
+                   ops.paged_mla_decode_torch(q, kv, tables, valid, L, 0.125),
+                   torch.ops.deepinfer.paged_mla_decode(q.double(), kv.double(), tables, valid, L, 0.125)):
+        assert o.dtype == lse.dtype == torch.float32 and o.shape == (T, H, L) and lse.shape == (T, H)
+        torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+        assert torch.isneginf(lse[0]).all() and torch.count_nonzero(o[0]) == 0
+        torch.testing.assert_close(lse[1:].double(), lse_ref[1:], rtol=1e-5, atol=1e-5)
+
+
+def test_paged_mla_decode_rejects_blocks_outside_the_pool():
+    _kernels_or_skip()
+    q, kv = torch.randn(2, 4, 16), torch.randn(3, 4, 16)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        torch.ops.deepinfer.paged_mla_decode(q, kv, torch.tensor([[0], [3]]), torch.ones(2, 4, dtype=torch.bool), 8, 1.0)
