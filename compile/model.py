@@ -203,7 +203,7 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
     latent = torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype)              # [T, Dc]
     kv_cache.view(-1, kv_cache.shape[-1]).index_put_((local_slot,), latent)
 
-    # Gather each row's context once: [R, C, Dc].
+    # Each row's pool blocks, in key order (the trash block where this CP rank owns none): [R, B].
     tbl_owned = _owned(block_tables, block_tables >= 0, spec.cp, cp_rank)    # [R, B]
     tbl = torch.where(tbl_owned, _local_block(block_tables, spec.cp), trash)
     key_pos = torch.arange(spec.context, device=x.device)

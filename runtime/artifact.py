@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import sys
@@ -143,7 +144,37 @@ def load_weights(art: Artifact, rank: int, device: torch.device) -> dict[str, to
     if shard is None:
         raise ArtifactError(f"{art.root}: the manifest has no weight shard for rank {rank} "
                             f"(a shape-only artifact cannot run)")
-    return load_file(str(art.file(shard.path)), device=str(device))
+    weights = load_file(str(art.file(shard.path)), device=str(device))
+    if device.type == "cpu":
+        weights = _into_huge_page_arena(weights)
+    return weights
+
+
+def _into_huge_page_arena(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU: copy the weights out of the file mapping safetensors serves them from into one private anonymous
+    arena advised for transparent huge pages (Linux; elsewhere, or with THP off, a plain anonymous copy).
+    Decode streams every weight once a step, and the file mapping's 4 KB page-cache pages are the slowest memory
+    to stream: the `mid` model's expert GEMM at 4 rows a group read its weights at 16-21 GB/s from the file
+    mapping, 23-25 GB/s from an ordinary copy and 25-26 GB/s from the huge-page arena (2 threads); its MoE
+    layer graph at 16 tokens 8.2-9.4 -> 7.9-8.5 ms. Costs one copy at load (~0.2 s a GB)."""
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in weights.values()]   # 64-byte aligned slots
+    align = 2 << 20
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    arena = mmap.mmap(-1, sum(sizes) + align, **({"flags": flags} if flags else {}))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            arena.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:              # THP disabled: still an anonymous copy
+            pass
+    buf = torch.frombuffer(arena, dtype=torch.uint8)   # the tensors keep the mapping alive
+    off = -buf.data_ptr() % align
+    out = {}
+    for (name, t), size in zip(weights.items(), sizes):
+        dst = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        out[name] = dst
+        off += size
+    return out
 
 
 def machine() -> str:

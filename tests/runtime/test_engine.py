@@ -130,3 +130,21 @@ def test_incremental_detokenizer_streams_the_full_text_from_short_windows():
         full = decode(ids)
         assert full.startswith(streamed) and len(full) - len(streamed) <= 4
         assert det.flush() == full
+
+
+def test_cpu_weights_load_into_an_anonymous_arena_with_the_file_values(artifact):
+    """CPU weights are copied out of the safetensors file mapping into one huge-page-advised arena: same names,
+    values, dtypes and shapes as the file, each 64-byte aligned, sharing one buffer."""
+    from safetensors.torch import load_file
+    from deepinfer.runtime.artifact import _into_huge_page_arena, load_weights, open_artifact
+    art = open_artifact(artifact)
+    loaded = load_weights(art, 0, torch.device("cpu"))
+    on_disk = load_file(str(art.file(art.manifest.weights[0].path)))
+    assert list(loaded) == list(on_disk)
+    for name, t in on_disk.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+        assert loaded[name].data_ptr() % 64 == 0 and loaded[name].is_contiguous()
+    assert len({t.untyped_storage().data_ptr() for t in loaded.values()}) == 1
+    odd = {"empty": torch.zeros(0, 3), "flags": torch.tensor([True, False]), "half": torch.randn(5, 3).bfloat16()}
+    for name, t in _into_huge_page_arena(odd).items():
+        assert t.dtype == odd[name].dtype and torch.equal(t, odd[name])
