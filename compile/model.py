@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..common.manifest import DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER
 from ..common.model_config import ModelConfig
-from ..runtime import ops  # noqa: F401  (registers torch.ops.deepinfer.grouped_mm, rows_linear)
+from ..runtime import ops  # noqa: F401  (registers torch.ops.deepinfer.grouped_mm, rows_linear, paged_mla_decode)
 
 Weights = dict[str, torch.Tensor]
 

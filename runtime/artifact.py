@@ -145,9 +145,12 @@ def load_weights(art: Artifact, rank: int, device: torch.device) -> dict[str, to
         raise ArtifactError(f"{art.root}: the manifest has no weight shard for rank {rank} "
                             f"(a shape-only artifact cannot run)")
     weights = load_file(str(art.file(shard.path)), device=str(device))
-    if device.type == "cpu":
+    if device.type == "cpu" and os.environ.get(HUGE_PAGES_ENV, "1") != "0":
         weights = _into_huge_page_arena(weights)
     return weights
+
+
+HUGE_PAGES_ENV = "DEEPINFER_WEIGHTS_ARENA"    # 0: serve CPU weights from the file mapping (evictable page cache)
 
 
 def _into_huge_page_arena(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -156,7 +159,8 @@ def _into_huge_page_arena(weights: dict[str, torch.Tensor]) -> dict[str, torch.T
     Decode streams every weight once a step, and the file mapping's 4 KB page-cache pages are the slowest memory
     to stream: the `mid` model's expert GEMM at 4 rows a group read its weights at 16-21 GB/s from the file
     mapping, 23-25 GB/s from an ordinary copy and 25-26 GB/s from the huge-page arena (2 threads); its MoE
-    layer graph at 16 tokens 8.2-9.4 -> 7.9-8.5 ms. Costs one copy at load (~0.2 s a GB)."""
+    layer graph at 16 tokens 8.2-9.4 -> 7.9-8.5 ms. Costs one copy at load (~0.2 s a GB), and the weights are
+    then anonymous memory the kernel cannot evict (DEEPINFER_WEIGHTS_ARENA=0 keeps the file mapping)."""
     sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in weights.values()]   # 64-byte aligned slots
     align = 2 << 20
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)

@@ -90,6 +90,7 @@ def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 
 def paged_mla_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, valid: torch.Tensor,
                            kv_lora_rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(bool((block_tables >= 0).all()), lambda: "paged_mla_decode: negative block id")
     ctx = kv_cache[block_tables].flatten(1, 2).to(q.dtype)                   # [T, C, Dc]
     scores = torch.bmm(q, ctx.transpose(1, 2)).float() * scale                # [T, H, C]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
@@ -130,6 +131,8 @@ def _kernel_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
     return cpu_kernels.available()
 
 
+# These thresholds decide the Python body only; runtime/csrc/grouped_rows_mm.cpp holds the same values for the
+# C++ CPU implementation that replaces it once the kernels are loaded.
 KERNEL_MAX_ROWS_PER_GROUP = 16
 
 

@@ -33,7 +33,7 @@ inline __m256 hsum8(const __m256* a) {
 
 // exp for x <= 0 (softmax after the max is subtracted): Cephes' single-precision polynomial, ~1 ulp.
 inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);   // maxps returns its second operand for NaN: NaN stays NaN
   __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
@@ -191,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
         float mx = neg_inf;
         for (int64_t c = c0; c < c1; ++c) {
           row[c] = vt[c] ? row[c] * s : neg_inf;
-          mx = std::max(mx, row[c]);
+          if (!(row[c] <= mx)) mx = row[c];   // NaN propagates, as in the torch form
         }
         const __m256 mv = _mm256_set1_ps(mx);
         __m256 sum8 = _mm256_setzero_ps();
@@ -232,7 +232,8 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode_cpu(const at::Tensor& q, con
   if (q.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat)
     return paged_mla_decode(q, kv, tables, valid, L, scale);
   const int64_t T = q.size(0);
-  const at::Tensor ctx = kv.index_select(0, tables.reshape(-1)).view({T, -1, kv.size(2)}).to(q.scalar_type());
+  const at::Tensor ctx =
+      kv.index_select(0, tables.reshape(-1)).view({T, tables.size(1) * kv.size(1), kv.size(2)}).to(q.scalar_type());
   at::Tensor scores = at::bmm(q, ctx.transpose(1, 2)).to(at::kFloat).mul(scale);
   scores.masked_fill_(valid.logical_not().unsqueeze(1), -std::numeric_limits<double>::infinity());
   at::Tensor mx = std::get<0>(scores.max(-1, true));

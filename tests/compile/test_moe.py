@@ -306,26 +306,33 @@ def _paged_reference(q, kv, tables, valid, L, scale):
     return (torch.softmax(s, -1).nan_to_num(0.0) @ ctx[..., :L]), torch.logsumexp(s, -1)
 
 
-@pytest.mark.parametrize("T,H,Dc,L,bs,B", [(16, 8, 288, 256, 16, 8), (5, 13, 83, 50, 4, 6), (1, 4, 80, 64, 16, 3)])
-def test_paged_mla_decode_matches(T, H, Dc, L, bs, B):
-    """Paged MLA decode attention against float64 over the gathered context: the CPU kernel, the op, its torch
-    path and the op's non-fp32 path; any head count and width (no multiple of 8 needed), scattered blocks, a
-    token with no valid key (zeros, lse -inf)."""
-    _kernels_or_skip()
+@pytest.mark.parametrize("T,H,Dc,L,bs,B,scale", [(16, 8, 288, 256, 16, 8, 0.125), (5, 13, 83, 50, 4, 6, 0.125),
+                                                  (3, 4, 80, 64, 16, 3, 0.125), (4, 6, 40, 24, 16, 2, 0.125),
+                                                  (3, 8, 64, 48, 16, 4, 10.0)])
+def test_paged_mla_decode_matches(T, H, Dc, L, bs, B, scale):
+    """Paged MLA decode attention against float64 over the gathered context: the op's torch path (any machine),
+    then the CPU kernel, the op and the op's non-fp32 path where the kernels build. Head counts taking every
+    score tile (8, 4, 2 and 1 heads at a time, with key tails), widths no multiple of 8, scattered blocks, masked
+    keys inside the valid span, a token with no valid key (zeros, lse -inf), and score spreads far past the
+    vectorised exp's clamp (scale 10)."""
     g = torch.Generator().manual_seed(T * H + Dc)
     q, kv = torch.randn(T, H, Dc, generator=g), torch.randn(40, bs, Dc, generator=g)
     tables = torch.randint(0, 40, (T, B), generator=g)
     valid = torch.rand(T, B * bs, generator=g) < 0.7
     valid[0] = False
-    o_ref, lse_ref = _paged_reference(q, kv, tables, valid, L, 0.125)
-    for o, lse in (torch.ops.deepinfer_cpu.paged_mla_decode(q, kv, tables, valid, L, 0.125),
-                   torch.ops.deepinfer.paged_mla_decode(q, kv, tables, valid, L, 0.125),
-                   ops.paged_mla_decode_torch(q, kv, tables, valid, L, 0.125),
-                   torch.ops.deepinfer.paged_mla_decode(q.double(), kv.double(), tables, valid, L, 0.125)):
+    o_ref, lse_ref = _paged_reference(q, kv, tables, valid, L, scale)
+
+    def check(o, lse):
         assert o.dtype == lse.dtype == torch.float32 and o.shape == (T, H, L) and lse.shape == (T, H)
         torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
         assert torch.isneginf(lse[0]).all() and torch.count_nonzero(o[0]) == 0
         torch.testing.assert_close(lse[1:].double(), lse_ref[1:], rtol=1e-5, atol=1e-5)
+
+    check(*ops.paged_mla_decode_torch(q, kv, tables, valid, L, scale))
+    _kernels_or_skip()
+    check(*torch.ops.deepinfer_cpu.paged_mla_decode(q, kv, tables, valid, L, scale))
+    check(*torch.ops.deepinfer.paged_mla_decode(q, kv, tables, valid, L, scale))
+    check(*torch.ops.deepinfer.paged_mla_decode(q.double(), kv.double(), tables, valid, L, scale))
 
 
 def test_paged_mla_decode_rejects_blocks_outside_the_pool():
