@@ -165,28 +165,35 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
   for (int64_t i = 0; i < T * B; ++i)    // bad block ids would read out of the pool: check before any thread runs
     TORCH_CHECK(0 <= tp[i] && tp[i] < NB, "paged_mla_decode: block id ", tp[i], " outside the pool of ", NB);
 
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(H * C);   // head-major [H][C]: scores, then probabilities
+  // Tasks are (token, slice of HS heads): with fewer tokens than threads (batch-1 decode) the heads are split in
+  // halves while that leaves at least 4 heads a slice, so one token's attention uses more than one core.
+  int64_t HS = H;
+  while (T * (H / HS) < at::get_num_threads() && HS % 2 == 0 && HS / 2 >= 4) HS /= 2;
+  const int64_t slices = H / HS;
+  at::parallel_for(0, T * slices, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(HS * C);  // head-major [HS][C]: scores, then probabilities
     std::vector<const float*> key_rows(C);
-    for (int64_t t = begin; t < end; ++t) {
-      const float* qt = qp + t * H * Dc;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / slices, h0 = (task % slices) * HS;
+      const float* qt = qp + (t * H + h0) * Dc;
       const bool* vt = vp + t * C;
       const int64_t* tt = tp + t * B;
-      float* ot = op + t * H * L;
+      float* ot = op + (t * H + h0) * L;
+      float* lt = lp + t * H + h0;
       int64_t c0 = 0, c1 = C;            // only the span of valid keys is read
       while (c0 < C && !vt[c0]) ++c0;
       while (c1 > c0 && !vt[c1 - 1]) --c1;
       if (c0 == c1) {
-        for (int64_t h = 0; h < H; ++h) lp[t * H + h] = neg_inf;
+        for (int64_t h = 0; h < HS; ++h) lt[h] = neg_inf;
         continue;
       }
       for (int64_t c = c0; c < c1; ++c) key_rows[c] = kvp + (tt[c / bs] * bs + c % bs) * Dc;
       float* sc = scores.data();
-      if (H % 8 == 0) score_keys<8>(qt, key_rows.data(), c0, c1, H, Dc, sc, C);
-      else if (H % 4 == 0) score_keys<4>(qt, key_rows.data(), c0, c1, H, Dc, sc, C);
-      else if (H % 2 == 0) score_keys<2>(qt, key_rows.data(), c0, c1, H, Dc, sc, C);
-      else score_keys<1>(qt, key_rows.data(), c0, c1, H, Dc, sc, C);
-      for (int64_t h = 0; h < H; ++h) {  // softmax over the valid keys, per head
+      if (HS % 8 == 0) score_keys<8>(qt, key_rows.data(), c0, c1, HS, Dc, sc, C);
+      else if (HS % 4 == 0) score_keys<4>(qt, key_rows.data(), c0, c1, HS, Dc, sc, C);
+      else if (HS % 2 == 0) score_keys<2>(qt, key_rows.data(), c0, c1, HS, Dc, sc, C);
+      else score_keys<1>(qt, key_rows.data(), c0, c1, HS, Dc, sc, C);
+      for (int64_t h = 0; h < HS; ++h) {  // softmax over the valid keys, per head
         float* row = sc + h * C;
         float mx = neg_inf;
         for (int64_t c = c0; c < c1; ++c) {
@@ -216,11 +223,11 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
         }
         const float inv = 1.f / sum;
         for (c = c0; c < c1; ++c) row[c] *= inv;
-        lp[t * H + h] = mx + std::log(sum);
+        lt[h] = mx + std::log(sum);
       }
       int64_t h = 0;
-      for (; h + 4 <= H; h += 4) weighted_sum<4>(sc + h * C, C, key_rows.data(), vt, c0, c1, L, ot + h * L);
-      for (; h < H; ++h) weighted_sum<1>(sc + h * C, C, key_rows.data(), vt, c0, c1, L, ot + h * L);
+      for (; h + 4 <= HS; h += 4) weighted_sum<4>(sc + h * C, C, key_rows.data(), vt, c0, c1, L, ot + h * L);
+      for (; h < HS; ++h) weighted_sum<1>(sc + h * C, C, key_rows.data(), vt, c0, c1, L, ot + h * L);
     }
   });
   return {o, lse};
