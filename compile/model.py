@@ -259,13 +259,7 @@ def _attend(spec: RegionSpec, scores: torch.Tensor, weighted_values, comm: Comm)
     (output, log-sum-exp) and an exact merge."""
     if spec.cp == 1:
         return weighted_values(torch.softmax(scores, dim=-1))
-    mx = scores.amax(dim=-1, keepdim=True)
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    e = torch.exp(scores - mx)                                                # masked keys -> 0
-    denom = e.sum(dim=-1, keepdim=True)
-    o = weighted_values(e) / denom.clamp_min(1e-30)
-    lse = torch.where(denom > 0, mx + torch.log(denom.clamp_min(1e-30)), torch.full_like(mx, float("-inf")))
-    return _merge_partials(o, lse, comm)
+    return _merge_partials(*ops.partial_softmax(scores, weighted_values), comm)
 
 
 def _merge_partials(o: torch.Tensor, lse: torch.Tensor, comm: Comm) -> torch.Tensor:

@@ -94,13 +94,22 @@ def paged_mla_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     ctx = kv_cache[block_tables].flatten(1, 2).to(q.dtype)                   # [T, C, Dc]
     scores = torch.bmm(q, ctx.transpose(1, 2)).float() * scale                # [T, H, C]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    c_ctx = ctx[..., :kv_lora_rank]
+    o, lse = partial_softmax(scores, lambda e: torch.bmm(e.to(c_ctx.dtype), c_ctx).float())
+    return o, lse.squeeze(-1)
+
+
+def partial_softmax(scores: torch.Tensor, weighted_values) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax over the last dim of scores applied by weighted_values, with its log-sum-exp: -> (o [.., X] fp32,
+    lse [.., 1]; zeros and -inf where every score is -inf). What a CP rank computes over its own keys before
+    the merge (`compile.model._merge_partials`), and the torch form of paged_mla_decode."""
     mx = scores.amax(dim=-1, keepdim=True)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    e = torch.exp(scores - mx)
+    e = torch.exp(scores - mx)                                                # masked keys -> 0
     denom = e.sum(dim=-1, keepdim=True)
-    o = torch.bmm(e.to(ctx.dtype), ctx[..., :kv_lora_rank]).float() / denom.clamp_min(1e-30)
+    o = weighted_values(e) / denom.clamp_min(1e-30)
     lse = torch.where(denom > 0, mx + torch.log(denom.clamp_min(1e-30)), torch.full_like(mx, float("-inf")))
-    return o, lse.squeeze(-1)
+    return o, lse
 
 
 @paged_mla_decode.register_fake
