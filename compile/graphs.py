@@ -59,11 +59,6 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
     return [_plan(name, spec, cc) for name, spec in specs.items()]
 
 
-# On the CPU torch._grouped_mm runs one GEMM per expert; below this much work per (token, expert) row, a decode
-# bucket's few rows per expert cost less as one wide GEMM over all experts (see moe_path).
-CPU_GROUPED_MIN_ROW_FLOPS = 1_000_000
-
-
 # CPU linears over at most this many rows take a small-GEMM form (`compile.model.linear`).
 CPU_SMALL_GEMM_ROWS = 64
 
@@ -83,11 +78,13 @@ def moe_path(m: ModelConfig, cc: CompileConfig, kind: str, tokens: int) -> str:
 
     Static path: prefill chunks capacity-grouped; a decode bucket dense (every local expert read once) or
     gathered (one expert per (token, choice)), whichever reads fewer weights. Grouped path: every bucket grouped,
-    except on the CPU, where decode buckets keep the static choice unless it is dense and the experts are big.
-    Measured there (2 threads): the gathered form compiles to one fused gather-matvec that reads each chosen
-    expert once, faster than grouped at T=1 (demo model 1.2-1.7 vs 1.8-2.1 ms/token; `mid` benchmark model 2.5
-    vs 3.4 ms per MoE layer); at T=16 the demo model's small experts (0.2 MFLOP a row) are faster dense, while
-    the `mid` model's (3.1 MFLOP a row) are faster grouped (79-88 vs 61-69 tok/s at 16 sequences)."""
+    except CPU decode buckets with fewer (token, choice) pairs than local experts, which are gathered: there the
+    gathered form compiles to one fused gather-matvec that reads each chosen expert once, faster than grouped at
+    T=1 (demo model 1.2-1.7 vs 1.8-2.1 ms/token; `mid` benchmark model 2.5 vs 3.4 ms per MoE layer). From as
+    many pairs as experts up, grouped beats dense on the CPU since its op runs without Python: at T=16 one MoE
+    layer of the demo model (0.2 MFLOP a row) 0.49-0.59 -> 0.30-0.37 ms, of `mid` (3.1 MFLOP a row) 79-88 vs
+    61-69 tok/s at 16 sequences (when dense was still chosen for small experts: the op's Python body cost
+    20-65 us a call)."""
     if cc.moe_path == "grouped" and (kind == PREFILL or ir_family(cc.backend) != "cpu"):
         return "grouped"
     if kind == PREFILL:
@@ -96,8 +93,7 @@ def moe_path(m: ModelConfig, cc: CompileConfig, kind: str, tokens: int) -> str:
         return cc.moe_decode_path
     if tokens * m.num_experts_per_tok < m.n_routed_experts // cc.ep:
         return "gather"
-    row_flops = 2 * m.hidden_size * 3 * m.moe_intermediate_size
-    return "grouped" if cc.moe_path == "grouped" and row_flops >= CPU_GROUPED_MIN_ROW_FLOPS else "dense"
+    return "grouped" if cc.moe_path == "grouped" else "dense"
 
 
 def _plan(name: str, spec: RegionSpec, cc: CompileConfig) -> GraphPlan:

@@ -27,7 +27,9 @@ import torch
 
 log = logging.getLogger("deepinfer")
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("grouped_rows_mm.cpp", "paged_mla_decode.cpp")]
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / name for name in ("grouped_rows_mm.cpp", "paged_mla_decode.cpp")]
+HEADERS = [CSRC / "simd.h"]
 ENV = "DEEPINFER_CPU_KERNELS"
 
 _state: dict[str, object] = {}
@@ -68,7 +70,7 @@ def _load() -> str | None:
     from . import ops        # noqa: F401  the deepinfer:: ops the library gives CPU implementations to
     try:
         from torch.utils import cpp_extension
-        digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)).hexdigest()[:12]
+        digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)).hexdigest()[:12]
         log.info("loading the CPU kernels (built once per machine, ~30 s)")
         cpp_extension.load(name=f"deepinfer_cpu_{digest}", sources=[str(src) for src in SOURCES], is_python_module=False,
                            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],

@@ -13,19 +13,17 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <algorithm>
 
 namespace {
 
+using deepinfer_simd::hsum;
+using deepinfer_simd::hsum8;
+
 constexpr int kNW = 3;            // weight rows per register tile (3 x 4 accumulators + 3 + 1 = 16 ymm)
 constexpr int64_t kBlockN = 48;   // weight rows per parallel task
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // NW weight rows (w, row stride K) against R activation rows (x, row stride K) -> out[j * ldo + i].
 template <int NW, int R>
@@ -47,9 +45,24 @@ inline void tile(const float* w, const float* x, int64_t K, float* out, int64_t 
       for (int i = 0; i < NW; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
     }
   }
+  // Horizontal sums, eight accumulators at a time in one hadd tree (a few: one by one). At K = 256 the
+  // one-by-one sums were ~20% of the kernel: 16 rows x 4096 x 256 ran at 84 GFLOP/s, 106 with the tree.
+  constexpr int NA = NW * R, NC = (NA + 7) / 8;
+  alignas(32) float sums[NC * 8];
+  if constexpr (NA < 6) {
+    for (int t = 0; t < NA; ++t) sums[t] = hsum(acc[t / R][t % R]);
+  } else {
+#pragma GCC unroll 2
+    for (int c = 0; c < NC; ++c) {
+      __m256 a[8];
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) a[t] = c * 8 + t < NA ? acc[(c * 8 + t) / R][(c * 8 + t) % R] : _mm256_setzero_ps();
+      _mm256_store_ps(sums + 8 * c, hsum8(a));
+    }
+  }
   for (int i = 0; i < NW; ++i)
     for (int j = 0; j < R; ++j) {
-      float s = hsum(acc[i][j]);
+      float s = sums[i * R + j];
       for (int64_t kk = k; kk < K; ++kk) s += w[i * K + kk] * x[j * K + kk];
       out[j * ldo + i] = s;
     }

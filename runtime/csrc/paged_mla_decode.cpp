@@ -18,18 +18,15 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
 
-// The eight horizontal sums of a[0..8) in one vector: [sum a[0], .., sum a[7]].
-inline __m256 hsum8(const __m256* a) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
+using deepinfer_simd::hsum8;
 
 // exp for x <= 0 (softmax after the max is subtracted): Cephes' single-precision polynomial, ~1 ulp.
 inline __m256 exp_nonpositive(__m256 x) {

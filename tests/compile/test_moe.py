@@ -246,8 +246,9 @@ def _profiled_grouped_mm(x, w, offs):
 
 
 def test_moe_path_per_bucket(checkpoints):
-    """The MoE form each graph bakes in: grouped prefill; on the CPU, decode gathers when few experts are
-    chosen, else runs dense (small experts) or grouped (big ones); on CUDA every bucket is grouped."""
+    """The MoE form each graph bakes in: grouped prefill; on the CPU, decode gathers when fewer (token, choice)
+    pairs than experts, else runs grouped; the static path's decode is dense or gathered; on CUDA every bucket
+    is grouped."""
     import dataclasses
     from pathlib import Path
     from deepinfer.compile.graphs import moe_path
@@ -260,8 +261,8 @@ def test_moe_path_per_bucket(checkpoints):
     assert moe_path(small, cpu, "prefill", 32) == moe_path(big, cuda, "prefill", 32) == "grouped"
     assert moe_path(small, static, "prefill", 32) == "capacity"
     assert moe_path(small, cpu, "decode", 2) == moe_path(big, cpu, "decode", 2) == "gather"     # 4 pairs < 8
-    assert moe_path(small, cpu, "decode", 8) == moe_path(big, static, "decode", 8) == "dense"
-    assert moe_path(big, cpu, "decode", 8) == "grouped"
+    assert moe_path(small, cpu, "decode", 4) == moe_path(big, cpu, "decode", 8) == "grouped"  # 8, 16 pairs
+    assert moe_path(small, static, "decode", 8) == moe_path(big, static, "decode", 8) == "dense"
     assert moe_path(small, cuda, "decode", 1) == moe_path(small, cuda, "decode", 8) == "grouped"
     assert moe_path(big, cc(moe_decode_path="dense"), "decode", 8) == "dense"
 
