@@ -128,7 +128,10 @@ def _few_rows_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
     swapped where that is faster), two runs on 2 AVX2 cores: `mid` benchmark experts' gate-up (16 x 1024 x 1024)
     at 1, 4 and 16 rows a group 1.7-1.9x, 2.0x and 1.9-2.0x faster, their down projection (K = 512) at 4 rows
     1.2-1.6x; V2-Lite-size experts at 48 rows over 64 experts 2.3-2.6x; demo-model experts at 4 rows 3.3-3.9x.
-    At 64 rows a group MKL's blocking wins (0.7x on `mid`'s gate-up), so prefill chunks keep torch's path."""
+    Against one MKL GEMM per group (interleaved, two runs, since the kernel sums eight accumulators at once and
+    prefetches): `mid` gate-up / down at 32 rows a group 1.6-1.9x / 1.4-1.8x, at 64 rows 1.4-1.5x / 1.2-1.5x,
+    at 128 rows 0.99x; the demo model's at 64 rows 1.1-1.2x, at 128 0.8-1.1x. So a 256-token prefill chunk's
+    experts (64 rows a group on `mid`) take it too; bigger groups keep MKL's blocking."""
     return x.shape[0] <= KERNEL_MAX_ROWS_PER_GROUP * w.shape[0] and _kernel_runs(x, w)
 
 
@@ -142,7 +145,7 @@ def _kernel_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 # These thresholds decide the Python body only; runtime/csrc/grouped_rows_mm.cpp holds the same values for the
 # C++ CPU implementation that replaces it once the kernels are loaded.
-KERNEL_MAX_ROWS_PER_GROUP = 16
+KERNEL_MAX_ROWS_PER_GROUP = 64
 
 
 def _swap_operands(x: torch.Tensor, w: torch.Tensor) -> bool:

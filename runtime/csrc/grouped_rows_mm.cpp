@@ -151,7 +151,7 @@ at::Tensor grouped_rows_mm(const at::Tensor& x_, const at::Tensor& wt_, const at
 
 // The same thresholds as runtime/ops.py's Python body (fixed here: once this library is loaded, changing the
 // Python constants no longer changes the CPU path). The swap is decided per group here, on the average there.
-constexpr int64_t kMaxRowsPerGroup = 16;     // ops.KERNEL_MAX_ROWS_PER_GROUP
+constexpr int64_t kMaxRowsPerGroup = 64;     // ops.KERNEL_MAX_ROWS_PER_GROUP
 constexpr int64_t kSwapMaxRows = 8;          // ops.SWAP_MAX_ROWS_PER_GROUP
 constexpr int64_t kSwapMinWeight = 1 << 18;  // ops.SWAP_MIN_WEIGHT
 

@@ -215,13 +215,13 @@ def test_grouped_rows_kernel_matches(K, N, offs_dtype):
 
 
 def test_grouped_mm_takes_the_kernel_for_few_rows():
-    """deepinfer::grouped_mm routes CPU fp32 groups of at most 16 rows on average to the kernel, larger ones to
+    """deepinfer::grouped_mm routes CPU fp32 groups of at most 64 rows on average to the kernel, larger ones to
     one GEMM per group (a group of a few rows of a big weight with the operands swapped); rows in no group are
     zero; bf16 never takes the kernel."""
     _kernels_or_skip()
     g = torch.Generator().manual_seed(3)
     w = torch.randn(4, 32, 40, generator=g)                     # [G, K, N]
-    for rows, expect in ((64, True), (65, False)):             # 16 rows a group on average: kernel; 16.25: torch
+    for rows, expect in ((256, True), (257, False)):           # 64 rows a group on average: kernel; 64.25: torch
         x = torch.randn(rows, 32, generator=g)
         offs = torch.tensor([rows // 4, rows // 2, 3 * rows // 4, rows], dtype=torch.int32)
         out, took = _profiled_grouped_mm(x, w, offs)
@@ -229,14 +229,14 @@ def test_grouped_mm_takes_the_kernel_for_few_rows():
         ref = torch.cat([x[int(a):int(b)] @ w[e] for e, (a, b) in enumerate(zip([0] + offs[:-1].tolist(), offs.tolist()))])
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     big = torch.randn(3, 512, 512, generator=g)                 # K * N = 2^18: a 2-row group swaps operands
-    x = torch.randn(62, 512, generator=g)
-    offs = torch.tensor([2, 2, 60], dtype=torch.int32)           # 20 rows a group; rows 60, 61 in none
+    x = torch.randn(202, 512, generator=g)
+    offs = torch.tensor([2, 2, 200], dtype=torch.int32)          # 66.7 rows a group; rows 200, 201 in none
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.5)):
         out, took = _profiled_grouped_mm(x.to(dtype), big.to(dtype), offs)
         assert not took and out.dtype == dtype
-        ref = torch.cat([x[:2].double() @ big[0].double(), x[2:60].double() @ big[2].double()])
-        torch.testing.assert_close(out[:60].double(), ref, rtol=2e-2, atol=tol)
-        assert torch.count_nonzero(out[60:]) == 0
+        ref = torch.cat([x[:2].double() @ big[0].double(), x[2:200].double() @ big[2].double()])
+        torch.testing.assert_close(out[:200].double(), ref, rtol=2e-2, atol=tol)
+        assert torch.count_nonzero(out[200:]) == 0
 
 
 def _profiled_grouped_mm(x, w, offs):
