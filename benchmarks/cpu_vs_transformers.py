@@ -7,7 +7,8 @@ Builds random-weight DeepSeek-V3 checkpoints with transformers' save_pretrained,
 ms/token at batch 1, decode tokens/s at 16 concurrent sequences, and the time to the first tokens of 16
 concurrent 32-token prompts, each with the ratio to transformers (its batched `generate`).
 With --layouts, decode ms/token per cp x ep layout and the collectives' share of a decode step.
-Same threads for everyone (torch.get_num_threads()); each figure is the best of 2-5 runs. Ratios matter
+Same threads for everyone (torch.get_num_threads()); each figure is the best of 2-4 rounds in which the engines
+take turns (this machine's speed drifts over minutes; turns expose all engines to the same drift). Ratios matter
 more than absolute numbers here.
 The roofline row is the best any engine could do on this machine (benchmarks/roofline.py): decode floored by
 reading the step's fp32 weights at the measured copy bandwidth, prefill by its FLOPs at the measured GEMM
@@ -18,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -45,13 +46,31 @@ DECODE_TOKENS = 32
 BATCH = 16
 
 
-def timed(fn, repeat: int = 3) -> float:
-    best = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best.append(time.perf_counter() - t)
-    return min(best)
+# Rounds per measurement. Every engine runs each measurement once a round, the engines taking turns: this
+# machine's speed drifts by tens of percent over minutes, and taking turns exposes all of them to the same drift
+# (measuring one engine after the other moved the ratios by up to 1.5x between runs).
+ROUNDS = {"prefill": 3, "t1": 4, "tn": 4, "b1": 2, "bn": 2}
+
+
+def interleaved(runs: dict[str, dict[str, Callable[[], object]]]) -> dict[str, dict[str, float]]:
+    """Best wall time of each measurement per engine, the engines taking turns round by round."""
+    best: dict[str, dict[str, float]] = {name: {} for name in runs}
+    for r in range(max(ROUNDS.values())):
+        for key, n in ROUNDS.items():
+            if r >= n:
+                continue
+            for name, fns in runs.items():
+                t = time.perf_counter()
+                fns[key]()
+                dt = time.perf_counter() - t
+                best[name][key] = min(best[name].get(key, float("inf")), dt)
+    return best
+
+
+def figures(t: dict[str, float]) -> dict:
+    """The table's four figures from one engine's best times."""
+    return {"prefill_tok_s": PREFILL_LEN / t["prefill"], "decode_ms": 1e3 * (t["tn"] - t["t1"]) / DECODE_TOKENS,
+            "batch_tok_s": BATCH * DECODE_TOKENS / (t["bn"] - t["b1"]), "batch_ttft_ms": 1e3 * t["b1"]}
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -60,8 +79,8 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 # -- transformers ---------------------------------------------------------------------------------------
-@torch.inference_mode()
-def bench_transformers(ck: Path, vocab: int) -> dict:
+def transformers_runs(ck: Path, vocab: int) -> tuple[dict[str, Callable[[], object]], str]:
+    """The measurements on transformers' DeepseekV3ForCausalLM (its batched `generate`, greedy)."""
     from checkpoints import hf_model
     hf = hf_model(ck)
     try:
@@ -70,37 +89,36 @@ def bench_transformers(ck: Path, vocab: int) -> dict:
     except Exception:
         impl = "default"
     p = torch.tensor(prompts(1, PREFILL_LEN, vocab))
-    prefill = timed(lambda: hf(p))
     short = torch.tensor(prompts(1, 32, vocab))
+    batch = torch.tensor(prompts(BATCH, 32, vocab, seed=1))
 
+    @torch.inference_mode()
     def gen(x, n):
         return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    t1 = timed(lambda: gen(short, 1), 3)
-    tn = timed(lambda: gen(short, DECODE_TOKENS + 1), 3)
-    batch = torch.tensor(prompts(BATCH, 32, vocab, seed=1))
-    b1 = timed(lambda: gen(batch, 1), 2)
-    bn = timed(lambda: gen(batch, DECODE_TOKENS + 1), 2)
-    return {"prefill_tok_s": PREFILL_LEN / prefill, "decode_ms": 1e3 * (tn - t1) / DECODE_TOKENS,
-            "batch_tok_s": BATCH * DECODE_TOKENS / (bn - b1), "batch_ttft_ms": 1e3 * b1, "note": f"experts={impl}"}
+
+    @torch.inference_mode()
+    def prefill():
+        return hf(p)
+    gen(short, 2)                                     # warm
+    return {"prefill": prefill, "t1": lambda: gen(short, 1), "tn": lambda: gen(short, DECODE_TOKENS + 1),
+            "b1": lambda: gen(batch, 1), "bn": lambda: gen(batch, DECODE_TOKENS + 1)}, impl
 
 
 # -- ours -----------------------------------------------------------------------------------------------
-def bench_engine(engine, vocab: int) -> dict:
+def engine_runs(engine, vocab: int) -> dict[str, Callable[[], object]]:
     from deepinfer.runtime.sequence import SamplingParams
 
     def gen(ps, n):
         return engine.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True))
     gen(prompts(2, 40, vocab), 4)                     # warm every graph kind once
-    p = prompts(1, PREFILL_LEN, vocab)
-    prefill = timed(lambda: gen(p, 1))
-    short = prompts(1, 32, vocab)
-    t1 = timed(lambda: gen(short, 1), 5)
-    tn = timed(lambda: gen(short, DECODE_TOKENS + 1), 5)
-    batch = prompts(BATCH, 32, vocab, seed=1)
-    b1 = timed(lambda: gen(batch, 1), 3)
-    bn = timed(lambda: gen(batch, DECODE_TOKENS + 1), 3)
-    return {"prefill_tok_s": PREFILL_LEN / prefill, "decode_ms": 1e3 * (tn - t1) / DECODE_TOKENS,
-            "batch_tok_s": BATCH * DECODE_TOKENS / (bn - b1), "batch_ttft_ms": 1e3 * b1}
+    p, short, batch = prompts(1, PREFILL_LEN, vocab), prompts(1, 32, vocab), prompts(BATCH, 32, vocab, seed=1)
+    return {"prefill": lambda: gen(p, 1), "t1": lambda: gen(short, 1), "tn": lambda: gen(short, DECODE_TOKENS + 1),
+            "b1": lambda: gen(batch, 1), "bn": lambda: gen(batch, DECODE_TOKENS + 1)}
+
+
+def bench_engine(engine, vocab: int) -> dict:
+    """One engine on its own (the layout table)."""
+    return figures(interleaved({"engine": engine_runs(engine, vocab)})["engine"])
 
 
 def eager_engine(art: Path):
@@ -189,12 +207,13 @@ def main() -> None:
             if not (ck / "config.json").exists():
                 make_checkpoint(ck, seed=0, **cfg)
         art = compile_for(ck, work / f"art-{name}", cache)
-        hf = bench_transformers(ck, cfg["vocab_size"])
+        hf_fns, impl = transformers_runs(ck, cfg["vocab_size"])
         eng = Engine.from_artifact(art)
-        ours = bench_engine(eng, cfg["vocab_size"])
-        eager = bench_engine(eager_engine(art), cfg["vocab_size"])
+        best = interleaved({"hf": hf_fns, "ours": engine_runs(eng, cfg["vocab_size"]),
+                            "eager": engine_runs(eager_engine(art), cfg["vocab_size"])})
+        hf, ours, eager = (figures(best[k]) for k in ("hf", "ours", "eager"))
         roof = bench_roofline(ModelConfig.from_file(Path(ck) / "config.json"), bw, flops)
-        for label, r in (("transformers " + hf["note"], hf), ("deepinfer eager PyTorch", eager),
+        for label, r in (("transformers experts=" + impl, hf), ("deepinfer eager PyTorch", eager),
                          ("deepinfer compiled (cpu)", ours), ("roofline (this machine)", roof)):
             lines.append(f"| {name} | {label} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / hf['prefill_tok_s']:.2f} "
                          f"| {r['decode_ms']:.2f} | {hf['decode_ms'] / r['decode_ms']:.2f} | {r['batch_tok_s']:.0f} "

@@ -84,7 +84,8 @@ def moe_path(m: ModelConfig, cc: CompileConfig, kind: str, tokens: int) -> str:
     many pairs as experts up, grouped beats dense on the CPU since its op runs without Python: at T=16 one MoE
     layer of the demo model (0.2 MFLOP a row) 0.49-0.59 -> 0.30-0.37 ms, of `mid` (3.1 MFLOP a row) 79-88 vs
     61-69 tok/s at 16 sequences (when dense was still chosen for small experts: the op's Python body cost
-    20-65 us a call)."""
+    20-65 us a call). Where the hand-written kernels cannot load (not x86-64 AVX2, no compiler), the op's Python
+    body runs and small experts would be faster dense; the graph's form is fixed at compile time."""
     if cc.moe_path == "grouped" and (kind == PREFILL or ir_family(cc.backend) != "cpu"):
         return "grouped"
     if kind == PREFILL:

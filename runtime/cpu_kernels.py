@@ -1,7 +1,7 @@
 """Hand-written CPU kernels (runtime/csrc/), built once per machine with torch.utils.cpp_extension.
 
 Only what torch and Inductor do not do well enough: `grouped_rows_mm`, a GEMM for groups of a few rows, where
-MKL's sgemm runs far under the memory peak (the MoE decode experts, and as one group CPU graphs' few-row linears
+MKL's sgemm runs far under the memory peak (the MoE experts up to 64 rows an expert, and as one group CPU graphs' few-row linears
 on big weights), and `paged_mla_decode`, decode attention read straight from the paged latent pool. The library
 also registers C++ CPU implementations of the graphs' ops (`deepinfer::grouped_mm`, `rows_linear`,
 `paged_mla_decode`, defined in runtime/ops.py), so a compiled graph's call reaches them without entering Python.
@@ -11,7 +11,7 @@ keep their Python bodies (torch's own paths).
 
 The build (~30 s, two cores) happens at the first `available()` call, which the runtime makes while it loads a
 CPU artifact, so no request waits for it; later processes find it in torch's extension cache
-($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by the sources' hash.
+($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by a hash of the sources and headers.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ log = logging.getLogger("deepinfer")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("grouped_rows_mm.cpp", "paged_mla_decode.cpp")]
-HEADERS = [CSRC / "simd.h"]
+HEADERS = sorted(CSRC.glob("*.h"))
 ENV = "DEEPINFER_CPU_KERNELS"
 
 _state: dict[str, object] = {}
@@ -70,7 +70,11 @@ def _load() -> str | None:
     from . import ops        # noqa: F401  the deepinfer:: ops the library gives CPU implementations to
     try:
         from torch.utils import cpp_extension
-        digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)).hexdigest()[:12]
+        h = hashlib.sha256()
+        for src in SOURCES + HEADERS:
+            data = src.read_bytes()
+            h.update(f"{src.name}:{len(data)}:".encode() + data)
+        digest = h.hexdigest()[:12]
         log.info("loading the CPU kernels (built once per machine, ~30 s)")
         cpp_extension.load(name=f"deepinfer_cpu_{digest}", sources=[str(src) for src in SOURCES], is_python_module=False,
                            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],

@@ -26,7 +26,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     no capacity to overflow. torch._grouped_mm does it natively (CPU in fp32 and bf16: checked on torch 2.13;
     CUDA in bf16 on sm90+); elsewhere a masked loop over the groups gives the same result (G full GEMMs, no host
     sync, so it stays CUDA-graph safe)."""
-    if _few_rows_kernel(x, w):
+    if _few_rows_kernel(x, w, offs):
         return torch.ops.deepinfer_cpu.grouped_rows_mm(x, w.transpose(1, 2), offs)
     return grouped_mm_torch(x, w, offs)
 
@@ -122,17 +122,19 @@ def _(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, valid
     return q.new_empty(T, H, kv_lora_rank, dtype=torch.float32), q.new_empty(T, H, dtype=torch.float32)
 
 
-def _few_rows_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """CPU fp32, at most KERNEL_MAX_ROWS_PER_GROUP rows a group on average: runtime/csrc/grouped_rows_mm.cpp, which
+def _few_rows_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> bool:
+    """CPU fp32, at most KERNEL_MAX_ROWS_PER_GROUP rows a group on average (counting the rows in groups only, not
+    the padding and other ranks' pairs past offs[-1]): runtime/csrc/grouped_rows_mm.cpp, which
     streams each group's weight once against all its rows in registers. Against torch._grouped_mm (operands
     swapped where that is faster), two runs on 2 AVX2 cores: `mid` benchmark experts' gate-up (16 x 1024 x 1024)
     at 1, 4 and 16 rows a group 1.7-1.9x, 2.0x and 1.9-2.0x faster, their down projection (K = 512) at 4 rows
     1.2-1.6x; V2-Lite-size experts at 48 rows over 64 experts 2.3-2.6x; demo-model experts at 4 rows 3.3-3.9x.
     Against one MKL GEMM per group (interleaved, two runs, since the kernel sums eight accumulators at once and
     prefetches): `mid` gate-up / down at 32 rows a group 1.6-1.9x / 1.4-1.8x, at 64 rows 1.4-1.5x / 1.2-1.5x,
-    at 128 rows 0.99x; the demo model's at 64 rows 1.1-1.2x, at 128 0.8-1.1x. So a 256-token prefill chunk's
+    at 128 rows 0.99x; the demo model's at 64 rows 1.1-1.2x, at 128 0.8-1.1x; V2-Lite-size experts (K = 2048,
+    1408) and K = 4096 at 64 rows 1.1-1.2x, at 96 rows 1.02-1.04x. So a 256-token prefill chunk's
     experts (64 rows a group on `mid`) take it too; bigger groups keep MKL's blocking."""
-    return x.shape[0] <= KERNEL_MAX_ROWS_PER_GROUP * w.shape[0] and _kernel_runs(x, w)
+    return _kernel_runs(x, w) and (w.shape[0] == 0 or int(offs[-1]) <= KERNEL_MAX_ROWS_PER_GROUP * w.shape[0])
 
 
 def _kernel_runs(x: torch.Tensor, w: torch.Tensor) -> bool:

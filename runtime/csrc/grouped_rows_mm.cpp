@@ -3,9 +3,10 @@
 //   out[r, n] = sum_k x[r, k] * wt[g, n, k]   for the rows r of group g (offs: cumulative row ends, int32/64);
 //   rows at or past offs[G-1] are zero.
 //
-// MoE decode: a handful of (token, expert) rows per expert, each expert's weight a few MB. MKL's sgemm at that
-// shape runs far under both the memory and the FLOP peak; here each group's weight streams from memory once,
-// kNW weight rows at a time, and meets up to 4 of the group's rows (L1-resident) in 12 register accumulators.
+// MoE experts: a handful (decode) to a few dozen (prefill chunks) of (token, expert) rows per expert, each
+// expert's weight a few MB. MKL's sgemm at that shape runs far under both the memory and the FLOP peak; here each
+// group's weight streams from memory once, kNW weight rows at a time, and meets up to 4 of the group's rows
+// (L1-resident) at a time in 12 register accumulators.
 // Built at first use by runtime/cpu_kernels.py (torch.utils.cpp_extension); torch's own thread pool runs it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,14 +25,16 @@ using deepinfer_simd::hsum8;
 
 constexpr int kNW = 3;            // weight rows per register tile (3 x 4 accumulators + 3 + 1 = 16 ymm)
 constexpr int64_t kBlockN = 48;   // weight rows per parallel task
-// Software prefetch distance along the weight stream, in floats (16 KB). The hardware prefetchers alone kept the
-// expert GEMM (`mid` model, 64 rows in 16 groups, weights out of cache) at 14-17 GB/s; with this, in the same
-// runs, 17-21 GB/s (3-16K floats ahead all alike; 1K or less no gain). Not for one-row groups, whose loop is
-// load-bound already: there it cost 5-8%.
+// Software prefetch: each weight row's read position plus this many floats (16 KB), i.e. for K < 4096 into the
+// rows of the tiles that follow. The hardware prefetchers alone kept the expert GEMM (`mid` model, 64 rows in 16
+// groups, weights out of cache) at 14-17 GB/s; with this, in the same runs, 17-21 GB/s (3-16K floats ahead all
+// alike; 1K or less no gain). Prefetching along each row instead, wrapping into the same row of the next tile,
+// was no better (0.93-1.10x at K = 512, 1024, 2048). Not for one-row groups, whose loop is load-bound already:
+// there it cost 5-8%.
 constexpr int64_t kPrefetch = 4096;
 
 // NW weight rows (w, row stride K) against R activation rows (x, row stride K) -> out[j * ldo + i]. PF: the
-// first pass over these weight rows, which prefetches the stream ahead (the rows lie back to back).
+// first pass over these weight rows, which prefetches kPrefetch floats ahead of each row it reads.
 template <int NW, int R, bool PF>
 inline void tile(const float* w, const float* x, int64_t K, float* out, int64_t ldo) {
   __m256 acc[NW][R];
@@ -170,7 +173,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x_, const at::Tensor& w, const at::T
   check_ends(ends, G, "grouped_mm");
   const int64_t last = G ? std::clamp<int64_t>(ends[G - 1], 0, M) : 0;
   at::Tensor out = at::empty({M, N}, x.options());
-  if (fp32(x, w) && M <= kMaxRowsPerGroup * G) {
+  if (fp32(x, w) && last <= kMaxRowsPerGroup * G) {     // the rows in groups: not padding, not other ranks' pairs
     RECORD_FUNCTION("deepinfer_cpu::grouped_rows_mm", std::vector<c10::IValue>());
     grouped_rows(x, w.transpose(1, 2).contiguous(), ends, out);
   } else {

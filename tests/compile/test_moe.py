@@ -199,7 +199,7 @@ def test_grouped_rows_kernel_matches(K, N, offs_dtype):
     rows and 3 weight rows, with every remainder), K not a multiple of the vector width, rows in no group."""
     _kernels_or_skip()
     g = torch.Generator().manual_seed(K * N)
-    sizes = [0, 1, 2, 3, 4, 5, 9, 0, 7]
+    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7]
     M = sum(sizes) + 2
     x = torch.randn(K, M, generator=g).t()                      # not contiguous
     wt = torch.randn(len(sizes), N, K, generator=g)
@@ -237,6 +237,19 @@ def test_grouped_mm_takes_the_kernel_for_few_rows():
         ref = torch.cat([x[:2].double() @ big[0].double(), x[2:200].double() @ big[2].double()])
         torch.testing.assert_close(out[:200].double(), ref, rtol=2e-2, atol=tol)
         assert torch.count_nonzero(out[200:]) == 0
+
+
+def test_cpu_kernel_thresholds_match_the_python_ones():
+    """Once the kernels load, the C++ CPU ops decide with their own copies of runtime/ops.py's thresholds (the
+    Python bodies no longer run on the CPU): the two must agree."""
+    import re
+    from deepinfer.runtime import ops
+    from deepinfer.runtime.cpu_kernels import CSRC
+    src = (CSRC / "grouped_rows_mm.cpp").read_text()
+    consts = {name: int(eval(expr, {})) for name, expr in re.findall(r"constexpr int64_t (k\w+) = ([0-9 <]+);", src)}
+    assert consts["kMaxRowsPerGroup"] == ops.KERNEL_MAX_ROWS_PER_GROUP
+    assert consts["kSwapMaxRows"] == ops.SWAP_MAX_ROWS_PER_GROUP
+    assert consts["kSwapMinWeight"] == ops.SWAP_MIN_WEIGHT
 
 
 def _profiled_grouped_mm(x, w, offs):
