@@ -63,7 +63,11 @@ def _env_int(name: str) -> int | None:
                    "config.json or a directory holding one.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True)
 @click.option("--backend", type=click.Choice(["cpu", "eager", "cuda", "neuron"]), default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Activations, KV pool and math.")
+@click.option("--weight-dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
+              help="Storage of the weight matrices (default: --dtype). cpu/eager: bfloat16 weights with float32 "
+                   "math, half the memory and bytes a decode step streams (a bf16 checkpoint is served exactly).")
 @click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel ranks (KV sharded by block).")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel ranks.")
 @click.option("--decode-buckets", callback=_buckets, default="1,8", show_default=True,
@@ -99,7 +103,7 @@ def _env_int(name: str) -> int | None:
 @click.option("--update-lock", type=click.Path(path_type=Path), default=None,
               help="Write this configuration's hashes into the lock file (a deliberate acceptance).")
 @_errors
-def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buckets, context_buckets,
+def compile_main(model, out, backend, dtype, weight_dtype, cp, ep, decode_buckets, prefill_buckets, context_buckets,
                  context_limit, block_size, num_kv_blocks, moe_capacity, capacity_factor, moe_decode_path,
                  moe_path, shape_only, device_memory, neuron_target, cache_dir, jobs, keep_going, check_lock, update_lock):
     """Trace and compile a DeepSeek-V3 checkpoint's graphs ahead of time into an artifact directory."""
@@ -110,8 +114,8 @@ def compile_main(model, out, backend, dtype, cp, ep, decode_buckets, prefill_buc
     if cache_dir is None and os.environ.get("DEEPINFER_CACHE"):
         cache_dir = Path(os.environ["DEEPINFER_CACHE"])
     opts = CompileOptions(
-        model=model if model is not None else DEMO_MODEL, out=out, backend=backend, dtype=dtype, cp=cp, ep=ep,
-        decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
+        model=model if model is not None else DEMO_MODEL, out=out, backend=backend, dtype=dtype, weight_dtype=weight_dtype,
+        cp=cp, ep=ep, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
         context_buckets="auto" if context_buckets == "auto" else _buckets(None, None, context_buckets),
         context_limit=context_limit, block_size=block_size, num_kv_blocks=num_kv_blocks, moe_capacity=moe_capacity,
         capacity_factor=capacity_factor, moe_decode_path=moe_decode_path, moe_path=moe_path, shape_only=shape_only,

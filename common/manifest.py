@@ -43,6 +43,13 @@ class CompileConfig:
     moe_decode_path: str = "auto"      # static path and CPU decode: dense | gather | auto (gather: T*top_k < E)
     moe_path: str = "static"           # grouped: exact grouped GEMMs, every bucket | static: capacity + dense/gather
     neuron_target: str | None = None
+    weight_dtype: str | None = None    # the weight matrices' storage dtype where it differs from dtype (CPU: bfloat16
+                                       # weights, float32 math); None: dtype
+
+    @property
+    def weights_dtype(self) -> str:
+        """The storage dtype of the weight matrices (norms, the router and rank tensors keep theirs)."""
+        return self.weight_dtype or self.dtype
 
     @property
     def world(self) -> int:

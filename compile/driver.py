@@ -340,7 +340,8 @@ def _describe(o: CompileOptions, m: ModelConfig, cc, n_graphs: int) -> str:
              f"  model            {o.model}{' (shape only: config.json, no weights)' if o.shape_only else ''}",
              f"  out              {o.out}",
              f"  backend          {cc.backend}{' target ' + cc.neuron_target if cc.neuron_target else ''}",
-             f"  dtype            {cc.dtype}",
+             f"  dtype            {cc.dtype}"
+             + (f" (weight matrices stored {cc.weight_dtype})" if cc.weight_dtype else ""),
              f"  layout           cp={cc.cp} ep={cc.ep} world={cc.world}",
              f"  decode buckets   {', '.join(map(str, cc.decode_buckets))}",
              f"  prefill buckets  {', '.join(map(str, cc.prefill_buckets)) or '(none)'}",

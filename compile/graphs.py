@@ -35,7 +35,7 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
         name = graph_name(region, kind, tokens, context, logit_rows)
         specs.setdefault(name, RegionSpec(m, region, kind, tokens, context, cc.block_size, cc.cp, cc.ep,
                                           cc.world, capacity, moe_path(m, cc, kind, tokens), logit_rows,
-                                          small_gemm_rows(cc)))
+                                          small_gemm_rows(cc), cc.dtype))
 
     layers = ([DENSE_LAYER] if m.num_moe_layers < m.num_hidden_layers else []) + ([MOE_LAYER] if m.num_moe_layers else [])
     for T in cc.decode_buckets:
@@ -132,28 +132,28 @@ def _plan(name: str, spec: RegionSpec, cc: CompileConfig) -> GraphPlan:
 
 def _weight_shapes(m: ModelConfig, cc: CompileConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Shapes of a region's weight keys (one rank's view: local experts, shared-expert slice)."""
-    dt = cc.dtype
+    dt, wt = cc.dtype, cc.weights_dtype          # norms in dt, the weight matrices in wt
     D, H = m.hidden_size, m.num_attention_heads
     dn, dr, dv, kvr = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
     E, I = m.n_routed_experts // cc.ep, m.moe_intermediate_size
     Is = m.n_shared_experts * I // cc.ep
     s = {
-        "embed": ((m.vocab_size, D), dt), "norm": ((D,), dt), "lm_head": ((m.vocab_size, D), dt),
+        "embed": ((m.vocab_size, D), wt), "norm": ((D,), dt), "lm_head": ((m.vocab_size, D), wt),
         "rope.inv_freq": ((dr // 2,), "float32"), "rank.expert_ids": ((E,), "int64"), "rank.cp_rank": ((), "int64"),
         "rank.ep_weight": ((), "float32"),
         "input_layernorm": ((D,), dt), "post_attention_layernorm": ((D,), dt),
-        "attn.q_proj": ((H * (dn + dr), D), dt),
-        "attn.kv_a_proj_with_mqa": ((kvr + dr, D), dt), "attn.kv_a_layernorm": ((kvr,), dt),
-        "attn.w_uk": ((H, dn, kvr), dt), "attn.w_uv": ((H, dv, kvr), dt), "attn.o_proj": ((D, H * dv), dt),
-        "mlp.gate_up": ((2 * m.intermediate_size, D), dt), "mlp.down": ((D, m.intermediate_size), dt),
+        "attn.q_proj": ((H * (dn + dr), D), wt),
+        "attn.kv_a_proj_with_mqa": ((kvr + dr, D), wt), "attn.kv_a_layernorm": ((kvr,), dt),
+        "attn.w_uk": ((H, dn, kvr), wt), "attn.w_uv": ((H, dv, kvr), wt), "attn.o_proj": ((D, H * dv), wt),
+        "mlp.gate_up": ((2 * m.intermediate_size, D), wt), "mlp.down": ((D, m.intermediate_size), wt),
         "moe.router_weight": ((m.n_routed_experts, D), "float32"), "moe.router_bias": ((m.n_routed_experts,), "float32"),
-        "moe.experts_gate_up": ((E, 2 * I, D), dt), "moe.experts_down": ((E, D, I), dt),
-        "moe.shared_gate_up": ((2 * Is, D), dt), "moe.shared_down": ((D, Is), dt),
+        "moe.experts_gate_up": ((E, 2 * I, D), wt), "moe.experts_down": ((E, D, I), wt),
+        "moe.shared_gate_up": ((2 * Is, D), wt), "moe.shared_down": ((D, Is), wt),
     }
     if m.q_lora_rank is not None:
         qr = m.q_lora_rank
-        s |= {"attn.q_a_proj": ((qr, D), dt), "attn.q_a_layernorm": ((qr,), dt),
-              "attn.q_b_proj": ((H * (dn + dr), qr), dt)}
+        s |= {"attn.q_a_proj": ((qr, D), wt), "attn.q_a_layernorm": ((qr,), dt),
+              "attn.q_b_proj": ((H * (dn + dr), qr), wt)}
     return s
 
 

@@ -41,6 +41,7 @@ class RegionSpec:
     moe_path: str = "dense"    # grouped (exact, any T) | static paths: dense | gather (decode), capacity (prefill)
     logit_rows: int = 0        # head graphs: rows of logits (T in decode buckets; 1, or one per packed prompt)
     small_gemm_rows: int = 0   # CPU: linears over at most this many rows take a small-GEMM form (`linear`)
+    dtype: str = "float32"     # activations (the weight matrices may be stored narrower: `as_compute`)
 
     @property
     def cpu_forms(self) -> bool:
@@ -134,6 +135,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def as_compute(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A weight in x's dtype: bfloat16 weights meet float32 activations this way (--weight-dtype bfloat16 on
+    the CPU). Where the cast feeds a reduction (the one-row multiply-sum, gathered experts), Inductor fuses it
+    into the loads, so the weight streams at half the bytes; the kernels' ops take bf16 weights as they are."""
+    return w if w.dtype == x.dtype else w.to(x.dtype)
+
+
 def linear(spec: RegionSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) for x [M, K], w [N, K], in the form the CPU runs fastest for few rows (M up to
     `spec.small_gemm_rows`; 0 elsewhere). MKL's sgemm with a small M and a transposed weight runs far below both
@@ -145,12 +153,12 @@ def linear(spec: RegionSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     decode at batch 1 26-29 -> 18-19 ms/token, at batch 16 the dense layer 11.3 -> 7.3 ms and the head
     19.2 -> 11.4 ms (before rows_linear)."""
     if x.shape[0] == 1 and spec.small_gemm_rows:
-        return (w * x).sum(-1)[None]
+        return (as_compute(w, x) * x).sum(-1)[None]
     if 1 < x.shape[0] <= spec.small_gemm_rows:
         if w.numel() >= ROWS_LINEAR_MIN_WEIGHT:
             return torch.ops.deepinfer.rows_linear(x, w)
-        return (w @ x.t()).t()
-    return F.linear(x, w)
+        return (as_compute(w, x) @ x.t()).t()
+    return F.linear(x, as_compute(w, x))
 
 
 # From this many weight elements up, a CPU few-row linear goes to `deepinfer::rows_linear` (the hand-written
@@ -218,7 +226,7 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
     mask = ~valid[:, None, :]                                                 # [T, 1, C]
     if spec.kind == DECODE:
         # Absorbed: fold W_UK into q, score against the latent cache, apply W_UV after the softmax.
-        q_lat = torch.einsum("thd,hdc->thc", q_nope, w["attn.w_uk"])
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, as_compute(w["attn.w_uk"], x))
         q_abs = torch.cat([q_lat, q_pe], dim=-1)                                          # [T, H, Dc]
         if spec.cpu_forms:
             # The paged decode attention op: the CPU kernel reads only each token's valid keys, where they lie in
@@ -234,7 +242,7 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
             scores = scores.float().mul(m.softmax_scale).masked_fill(mask, float("-inf"))
             c_ctx = ctx[..., :kvr]
             o_lat = _attend(spec, scores, lambda p: torch.bmm(p.to(c_ctx.dtype), c_ctx).float(), comm)
-        o = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), w["attn.w_uv"])
+        o = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), as_compute(w["attn.w_uv"], x))
     else:
         # Prefill chunk: expand the packed context's latents to per-head keys and values once (cheaper than
         # the absorbed form when many queries share one context, and transformers' own form). Head-major
@@ -242,9 +250,9 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         # 1.5-1.6x faster than token-major scores from two einsums (compiled, 2 threads, T = 256).
         ctx = kv_cache[tbl[0]].flatten(0, 1)                                             # [C, Dc]
         c_ctx, k_pe_ctx = ctx[:, :kvr], ctx[:, kvr:]
-        k_nope = torch.einsum("cl,hdl->hcd", c_ctx, w["attn.w_uk"])                      # [H, C, dn]
+        k_nope = torch.einsum("cl,hdl->hcd", c_ctx, as_compute(w["attn.w_uk"], x))       # [H, C, dn]
         k = torch.cat([k_nope, k_pe_ctx[None].expand(H, -1, dr)], dim=-1)              # [H, C, dn + dr]
-        v = torch.einsum("cl,hvl->hcv", c_ctx, w["attn.w_uv"])                           # [H, C, dv]
+        v = torch.einsum("cl,hvl->hcv", c_ctx, as_compute(w["attn.w_uv"], x))            # [H, C, dv]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)                             # [H, T, dn + dr]
         scores = torch.bmm(q, k.transpose(1, 2))                                         # [H, T, C]
         scores = scores.float().mul(m.softmax_scale).masked_fill(mask.transpose(0, 1), float("-inf"))
@@ -312,7 +320,7 @@ def experts_dense(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weights:
     E, F2, D = w["moe.experts_gate_up"].shape
     gu = linear(spec, x, w["moe.experts_gate_up"].reshape(E * F2, D)).view(-1, E, F2).transpose(0, 1)  # [E, T, 2I]
     g, u = gu.chunk(2, dim=-1)
-    y = torch.einsum("eti,edi->etd", F.silu(g) * u, w["moe.experts_down"])  # [E, T, D]
+    y = torch.einsum("eti,edi->etd", F.silu(g) * u, as_compute(w["moe.experts_down"], x))  # [E, T, D]
     return torch.einsum("etd,te->td", y.float(), combine)
 
 
@@ -325,9 +333,9 @@ def experts_gather(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weights
     mine = (local >= 0) & (local < E)
     idx = torch.where(mine, local, torch.zeros_like(local)).reshape(-1)       # [T*K]
     xk = x[:, None, :].expand(T, K, x.shape[-1]).reshape(T * K, -1, 1)
-    gu = torch.bmm(w["moe.experts_gate_up"][idx], xk).squeeze(-1)            # [T*K, 2I]
+    gu = torch.bmm(as_compute(w["moe.experts_gate_up"][idx], x), xk).squeeze(-1)   # [T*K, 2I]
     g, u = gu.chunk(2, dim=-1)
-    y = torch.bmm(w["moe.experts_down"][idx], (F.silu(g) * u)[:, :, None]).squeeze(-1)   # [T*K, D]
+    y = torch.bmm(as_compute(w["moe.experts_down"][idx], x), (F.silu(g) * u)[:, :, None]).squeeze(-1)   # [T*K, D]
     coef = torch.where(mine, weights, torch.zeros_like(weights)).reshape(-1, 1)
     return (y.float() * coef).view(T, K, -1).sum(1)
 
@@ -354,8 +362,8 @@ def experts_capacity(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weigh
     token = torch.arange(T, device=x.device).repeat_interleave(K)
     table = torch.zeros(E * Cap + 1, dtype=torch.long, device=x.device).index_put((dest,), token)
     xd = x[table[: E * Cap]].view(E, Cap, D)
-    g, u = torch.bmm(xd, w["moe.experts_gate_up"].transpose(1, 2)).chunk(2, dim=-1)
-    y = torch.bmm(F.silu(g) * u, w["moe.experts_down"].transpose(1, 2))      # [E, Cap, D]
+    g, u = torch.bmm(xd, as_compute(w["moe.experts_gate_up"], x).transpose(1, 2)).chunk(2, dim=-1)
+    y = torch.bmm(F.silu(g) * u, as_compute(w["moe.experts_down"], x).transpose(1, 2))      # [E, Cap, D]
     y = torch.cat([y.reshape(E * Cap, D).float(), torch.zeros(1, D, device=x.device)], dim=0)
     coef = torch.where(keep, weights.reshape(-1), torch.zeros_like(weights.reshape(-1)))
     out = (y[dest] * coef[:, None]).view(T, K, D).sum(1)
@@ -411,7 +419,9 @@ def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
 
 # -- regions -------------------------------------------------------------------------------------
 def embed_region(spec: RegionSpec, token_ids: torch.Tensor, w: Weights) -> torch.Tensor:
-    return F.embedding(token_ids, w["embed"])
+    e = F.embedding(token_ids, w["embed"])
+    dt = getattr(torch, spec.dtype)
+    return e if e.dtype == dt else e.to(dt)
 
 
 def layer_region(spec: RegionSpec, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

@@ -23,6 +23,7 @@ class CompileOptions:
     out: Path
     backend: str = "cpu"
     dtype: str = "float32"
+    weight_dtype: str | None = None      # storage of the weight matrices (default: dtype); CPU: bfloat16 with float32
     cp: int = 1
     ep: int = 1
     decode_buckets: tuple[int, ...] = (1, 8)
@@ -56,6 +57,14 @@ def resolve(o: CompileOptions, m: ModelConfig) -> CompileConfig:
         raise OptionError(f"--backend={o.backend!r} is not one of {', '.join(BACKENDS)}")
     if o.dtype not in DTYPE_NAMES:
         raise OptionError(f"--dtype={o.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    weight_dtype = None if o.weight_dtype in (None, o.dtype) else o.weight_dtype
+    if weight_dtype is not None:
+        if weight_dtype not in DTYPE_NAMES:
+            raise OptionError(f"--weight-dtype={o.weight_dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+        if o.backend not in ("cpu", "eager") or (o.dtype, weight_dtype) != ("float32", "bfloat16"):
+            raise OptionError(f"--weight-dtype={weight_dtype} with --dtype={o.dtype} --backend={o.backend}: weights "
+                              f"may differ from --dtype only as bfloat16 weights with float32 math on the cpu and "
+                              f"eager backends (elsewhere pass --dtype alone)")
     if o.backend == "neuron" and o.neuron_target not in NEURON_TARGETS:
         raise OptionError(f"--neuron-target={o.neuron_target!r} must be one of {', '.join(NEURON_TARGETS)} "
                           f"with --backend neuron")
@@ -141,7 +150,8 @@ def resolve(o: CompileOptions, m: ModelConfig) -> CompileConfig:
     return CompileConfig(backend=o.backend, dtype=o.dtype, cp=o.cp, ep=o.ep, decode_buckets=decode,
                          prefill_buckets=prefill, context_buckets=ctx, context_limit=limit,
                          block_size=o.block_size, num_kv_blocks=nkv, moe_capacity=caps, capacity_factor=factor,
-                         moe_decode_path=path, moe_path=moe_path, neuron_target=o.neuron_target)
+                         moe_decode_path=path, moe_path=moe_path, neuron_target=o.neuron_target,
+                         weight_dtype=weight_dtype)
 
 
 def _buckets(flag: str, values: tuple[int, ...], limit: int) -> tuple[int, ...]:

@@ -75,7 +75,7 @@ class WeightSpec:
 
 def shard_specs(m: ModelConfig, cc: CompileConfig, rank: RankLayout) -> list[WeightSpec]:
     """Every tensor of one rank's shard, in file order, each with the function that builds it."""
-    dt = DTYPES[cc.dtype]
+    dt, wdt = DTYPES[cc.dtype], DTYPES[cc.weights_dtype]     # norms in dt, the weight matrices in wdt
     f32 = torch.float32
     D, H = m.hidden_size, m.num_attention_heads
     dn, dr, dv, kvr = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
@@ -90,10 +90,10 @@ def shard_specs(m: ModelConfig, cc: CompileConfig, rank: RankLayout) -> list[Wei
     def hf(name: str, shape: tuple[int, ...]) -> Callable[[Checkpoint], torch.Tensor]:
         return lambda ck: ck.get(name, shape)
 
-    add("embed", (m.vocab_size, D), dt, hf("model.embed_tokens.weight", (m.vocab_size, D)))
+    add("embed", (m.vocab_size, D), wdt, hf("model.embed_tokens.weight", (m.vocab_size, D)))
     add("norm", (D,), dt, hf("model.norm.weight", (D,)))
     if not m.tie_word_embeddings:
-        add("lm_head", (m.vocab_size, D), dt, hf("lm_head.weight", (m.vocab_size, D)))
+        add("lm_head", (m.vocab_size, D), wdt, hf("lm_head.weight", (m.vocab_size, D)))
     add("rope.inv_freq", (dr // 2,), f32, lambda ck: rope_inv_freq(m))
     add("rank.expert_ids", (E,), torch.int64, lambda ck: torch.arange(E_first, E_last, dtype=torch.int64))
     if cc.cp > 1:
@@ -107,35 +107,35 @@ def shard_specs(m: ModelConfig, cc: CompileConfig, rank: RankLayout) -> list[Wei
         add(L + "input_layernorm", (D,), dt, hf(p + "input_layernorm.weight", (D,)))
         add(L + "post_attention_layernorm", (D,), dt, hf(p + "post_attention_layernorm.weight", (D,)))
         if m.q_lora_rank is None:
-            add(L + "attn.q_proj", (H * (dn + dr), D), dt, hf(a + "q_proj.weight", (H * (dn + dr), D)))
+            add(L + "attn.q_proj", (H * (dn + dr), D), wdt, hf(a + "q_proj.weight", (H * (dn + dr), D)))
         else:
             qr = m.q_lora_rank
-            add(L + "attn.q_a_proj", (qr, D), dt, hf(a + "q_a_proj.weight", (qr, D)))
+            add(L + "attn.q_a_proj", (qr, D), wdt, hf(a + "q_a_proj.weight", (qr, D)))
             add(L + "attn.q_a_layernorm", (qr,), dt, hf(a + "q_a_layernorm.weight", (qr,)))
-            add(L + "attn.q_b_proj", (H * (dn + dr), qr), dt, hf(a + "q_b_proj.weight", (H * (dn + dr), qr)))
-        add(L + "attn.kv_a_proj_with_mqa", (kvr + dr, D), dt, hf(a + "kv_a_proj_with_mqa.weight", (kvr + dr, D)))
+            add(L + "attn.q_b_proj", (H * (dn + dr), qr), wdt, hf(a + "q_b_proj.weight", (H * (dn + dr), qr)))
+        add(L + "attn.kv_a_proj_with_mqa", (kvr + dr, D), wdt, hf(a + "kv_a_proj_with_mqa.weight", (kvr + dr, D)))
         add(L + "attn.kv_a_layernorm", (kvr,), dt, hf(a + "kv_a_layernorm.weight", (kvr,)))
         kv_b = (a + "kv_b_proj.weight", (H * (dn + dv), kvr))
-        add(L + "attn.w_uk", (H, dn, kvr), dt, lambda ck, kv_b=kv_b: ck.get(*kv_b).view(H, dn + dv, kvr)[:, :dn])
-        add(L + "attn.w_uv", (H, dv, kvr), dt, lambda ck, kv_b=kv_b: ck.get(*kv_b).view(H, dn + dv, kvr)[:, dn:])
-        add(L + "attn.o_proj", (D, H * dv), dt, hf(a + "o_proj.weight", (D, H * dv)))
+        add(L + "attn.w_uk", (H, dn, kvr), wdt, lambda ck, kv_b=kv_b: ck.get(*kv_b).view(H, dn + dv, kvr)[:, :dn])
+        add(L + "attn.w_uv", (H, dv, kvr), wdt, lambda ck, kv_b=kv_b: ck.get(*kv_b).view(H, dn + dv, kvr)[:, dn:])
+        add(L + "attn.o_proj", (D, H * dv), wdt, hf(a + "o_proj.weight", (D, H * dv)))
         if not m.is_moe_layer(i):
             Id = m.intermediate_size
-            add(L + "mlp.gate_up", (2 * Id, D), dt, lambda ck, p=p, Id=Id: torch.cat(
+            add(L + "mlp.gate_up", (2 * Id, D), wdt, lambda ck, p=p, Id=Id: torch.cat(
                 [ck.get(p + "mlp.gate_proj.weight", (Id, D)), ck.get(p + "mlp.up_proj.weight", (Id, D))]))
-            add(L + "mlp.down", (D, Id), dt, hf(p + "mlp.down_proj.weight", (D, Id)))
+            add(L + "mlp.down", (D, Id), wdt, hf(p + "mlp.down_proj.weight", (D, Id)))
             continue
         add(L + "moe.router_weight", (m.n_routed_experts, D), f32, hf(p + "mlp.gate.weight", (m.n_routed_experts, D)))
         add(L + "moe.router_bias", (m.n_routed_experts,), f32,
             hf(p + "mlp.gate.e_score_correction_bias", (m.n_routed_experts,)))
-        add(L + "moe.experts_gate_up", (E, 2 * I, D), dt, lambda ck, p=p: _experts_gate_up(ck, p, m, E_first, E_last))
-        add(L + "moe.experts_down", (E, D, I), dt, lambda ck, p=p: _experts_down(ck, p, m, E_first, E_last))
+        add(L + "moe.experts_gate_up", (E, 2 * I, D), wdt, lambda ck, p=p: _experts_gate_up(ck, p, m, E_first, E_last))
+        add(L + "moe.experts_down", (E, D, I), wdt, lambda ck, p=p: _experts_down(ck, p, m, E_first, E_last))
         if m.n_shared_experts:
             Is = m.n_shared_experts * I
             sh = p + "mlp.shared_experts."
-            add(L + "moe.shared_gate_up", (2 * (s1 - s0), D), dt, lambda ck, sh=sh, Is=Is: torch.cat(
+            add(L + "moe.shared_gate_up", (2 * (s1 - s0), D), wdt, lambda ck, sh=sh, Is=Is: torch.cat(
                 [ck.get(sh + "gate_proj.weight", (Is, D))[s0:s1], ck.get(sh + "up_proj.weight", (Is, D))[s0:s1]]))
-            add(L + "moe.shared_down", (D, s1 - s0), dt,
+            add(L + "moe.shared_down", (D, s1 - s0), wdt,
                 lambda ck, sh=sh, Is=Is: ck.get(sh + "down_proj.weight", (D, Is))[:, s0:s1])
     return specs
 

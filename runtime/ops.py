@@ -32,7 +32,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """deepinfer::grouped_mm with torch's ops only: torch._grouped_mm where it runs, else a masked loop."""
+    """deepinfer::grouped_mm with torch's ops only: torch._grouped_mm where it runs, else a masked loop.
+    Weights stored narrower than x (bf16 weights, fp32 math) are widened first."""
+    w = w if w.dtype == x.dtype else w.to(x.dtype)
     key = (x.device.type, x.dtype)
     if key not in _NATIVE_FAILED and hasattr(torch, "_grouped_mm"):
         try:
@@ -62,7 +64,7 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def rows_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (w @ x.t()).t().contiguous()
+    return ((w if w.dtype == x.dtype else w.to(x.dtype)) @ x.t()).t().contiguous()
 
 
 @rows_linear.register_fake
@@ -83,7 +85,7 @@ def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     What CPU decode graphs call (`compile.model.mla_attention`): the hand-written kernel
     (runtime/csrc/paged_mla_decode.cpp) reads each token's keys where they lie in the pool; without it, the
     gather + two batched GEMMs below, the form the other backends' graphs inline."""
-    if _kernel_runs(q, kv_cache):
+    if kv_cache.dtype == torch.float32 and _kernel_runs(q, kv_cache):
         return torch.ops.deepinfer_cpu.paged_mla_decode(q, kv_cache, block_tables, valid, kv_lora_rank, scale)
     return paged_mla_decode_torch(q, kv_cache, block_tables, valid, kv_lora_rank, scale)
 
@@ -138,8 +140,9 @@ def _few_rows_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> bo
 
 
 def _kernel_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """The hand-written kernels take fp32 CPU tensors, where they were built (runtime/cpu_kernels.py)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32:
+    """The hand-written kernels take fp32 CPU activations and fp32 or bf16 weights (w: the weight, or the KV
+    pool), where they were built (runtime/cpu_kernels.py)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype not in (torch.float32, torch.bfloat16):
         return False
     from . import cpu_kernels
     return cpu_kernels.available()

@@ -26,8 +26,9 @@ VARIANTS = {
 }
 
 
-def make_checkpoint(path: Path, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
-    """Random weights (with a non-zero correction bias) saved as a Hugging Face checkpoint."""
+def make_checkpoint(path: Path, seed: int = 0, tokenizer: bool = True, dtype: torch.dtype = torch.float32,
+                    **overrides) -> Path:
+    """Random weights (with a non-zero correction bias) saved as a Hugging Face checkpoint in `dtype`."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     cfg = dict(TINY)
     cfg.update(overrides)
@@ -44,7 +45,7 @@ def make_checkpoint(path: Path, seed: int = 0, tokenizer: bool = True, **overrid
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:
                 gate.e_score_correction_bias.uniform_(-0.05, 0.05)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     if tokenizer:
         write_byte_tokenizer(path, cfg["vocab_size"])
     return path

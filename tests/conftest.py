@@ -27,6 +27,12 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {name: make_checkpoint(root / name, seed=i, **over) for i, (name, over) in enumerate(VARIANTS.items())}
 
 
+@pytest.fixture(scope="session")
+def bf16_checkpoint(tmp_path_factory) -> Path:
+    """The base tiny model saved in bfloat16, as real DeepSeek checkpoints ship."""
+    return make_checkpoint(tmp_path_factory.mktemp("checkpoints") / "bf16", seed=7, dtype=torch.bfloat16)
+
+
 _artifacts: dict[tuple, Path] = {}
 
 

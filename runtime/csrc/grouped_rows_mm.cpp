@@ -1,4 +1,5 @@
-// deepinfer_cpu::grouped_rows_mm: a grouped GEMM for groups of a few rows, fp32, x86-64 AVX2 + FMA.
+// deepinfer_cpu::grouped_rows_mm: a grouped GEMM for groups of a few rows, x86-64 AVX2 + FMA: fp32 rows, fp32 or
+// bf16 weights (widened in registers as they stream: half the bytes of a memory-bound read), fp32 math.
 //
 //   out[r, n] = sum_k x[r, k] * wt[g, n, k]   for the rows r of group g (offs: cumulative row ends, int32/64);
 //   rows at or past offs[G-1] are zero.
@@ -23,6 +24,12 @@ namespace {
 using deepinfer_simd::hsum;
 using deepinfer_simd::hsum8;
 
+// Weight loads, fp32 or bf16 (widened to fp32).
+inline __m256 wload(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 wload(const at::BFloat16* p) { return deepinfer_simd::load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+inline float wscalar(float v) { return v; }
+inline float wscalar(at::BFloat16 v) { return static_cast<float>(v); }
+
 constexpr int kNW = 3;            // weight rows per register tile (3 x 4 accumulators + 3 + 1 = 16 ymm)
 constexpr int64_t kBlockN = 48;   // weight rows per parallel task
 // Software prefetch: each weight row's read position plus this many floats (16 KB), i.e. for K < 4096 into the
@@ -31,12 +38,14 @@ constexpr int64_t kBlockN = 48;   // weight rows per parallel task
 // alike; 1K or less no gain). Prefetching along each row instead, wrapping into the same row of the next tile,
 // was no better (0.93-1.10x at K = 512, 1024, 2048). Not for one-row groups, whose loop is load-bound already:
 // there it cost 5-8%.
-constexpr int64_t kPrefetch = 4096;
+constexpr int64_t kPrefetchBytes = 16384;
 
 // NW weight rows (w, row stride K) against R activation rows (x, row stride K) -> out[j * ldo + i]. PF: the
-// first pass over these weight rows, which prefetches kPrefetch floats ahead of each row it reads.
-template <int NW, int R, bool PF>
-inline void tile(const float* w, const float* x, int64_t K, float* out, int64_t ldo) {
+// first pass over these weight rows, which prefetches kPrefetchBytes ahead of each row it reads, a cache line
+// at a time.
+template <int NW, int R, bool PF, typename W>
+inline void tile(const W* w, const float* x, int64_t K, float* out, int64_t ldo) {
+  constexpr int64_t kAhead = kPrefetchBytes / sizeof(W), kLine = 64 / sizeof(W);
   __m256 acc[NW][R];
 #pragma GCC unroll 4
   for (int i = 0; i < NW; ++i)
@@ -46,10 +55,10 @@ inline void tile(const float* w, const float* x, int64_t K, float* out, int64_t 
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NW];
 #pragma GCC unroll 4
-    for (int i = 0; i < NW; ++i) wv[i] = _mm256_loadu_ps(w + i * K + k);
-    if (PF && (k & 15) == 0) {
+    for (int i = 0; i < NW; ++i) wv[i] = wload(w + i * K + k);
+    if (PF && (k & (kLine - 1)) == 0) {
 #pragma GCC unroll 4
-      for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kPrefetch), _MM_HINT_T0);
+      for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kAhead), _MM_HINT_T0);
     }
 #pragma GCC unroll 4
     for (int j = 0; j < R; ++j) {
@@ -76,13 +85,13 @@ inline void tile(const float* w, const float* x, int64_t K, float* out, int64_t 
   for (int i = 0; i < NW; ++i)
     for (int j = 0; j < R; ++j) {
       float s = sums[i * R + j];
-      for (int64_t kk = k; kk < K; ++kk) s += w[i * K + kk] * x[j * K + kk];
+      for (int64_t kk = k; kk < K; ++kk) s += wscalar(w[i * K + kk]) * x[j * K + kk];
       out[j * ldo + i] = s;
     }
 }
 
-template <int NW>
-inline void weight_rows(const float* w, const float* x, int64_t rows, int64_t K, float* out, int64_t ldo) {
+template <int NW, typename W>
+inline void weight_rows(const W* w, const float* x, int64_t rows, int64_t K, float* out, int64_t ldo) {
   int64_t r = 0;
   if (rows >= 4) {
     tile<NW, 4, true>(w, x, K, out, ldo);
@@ -99,10 +108,11 @@ inline void weight_rows(const float* w, const float* x, int64_t rows, int64_t K,
 
 // The kernel over G groups of x's rows (row ends `ends`, clamped to [0, M]) -> out rows of the groups; rows in
 // no group are left as they are.
-void grouped_rows(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends, at::Tensor& out) {
+template <typename W>
+void grouped_rows_typed(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), G = wt.size(0), N = wt.size(1);
   const float* xp = x.data_ptr<float>();
-  const float* wp = wt.data_ptr<float>();
+  const W* wp = wt.data_ptr<W>();
   float* outp = out.data_ptr<float>();
   const int64_t blocks = (N + kBlockN - 1) / kBlockN;
   at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
@@ -111,7 +121,7 @@ void grouped_rows(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends
       const int64_t r0 = g == 0 ? 0 : std::clamp<int64_t>(ends[g - 1], 0, M);
       const int64_t r1 = std::clamp<int64_t>(ends[g], r0, M);
       if (r1 == r0) continue;
-      const float* w = wp + g * N * K;
+      const W* w = wp + g * N * K;
       const float* xr = xp + r0 * K;
       float* o = outp + r0 * N;
       int64_t n = n0;
@@ -119,6 +129,19 @@ void grouped_rows(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends
       for (; n < n1; ++n) weight_rows<1>(w + n * K, xr, r1 - r0, K, o + n, N);
     }
   });
+}
+
+// x fp32 [M, K], wt [G, N, K] fp32 or bf16, both contiguous.
+void grouped_rows(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends, at::Tensor& out) {
+  if (wt.scalar_type() == at::kBFloat16)
+    grouped_rows_typed<at::BFloat16>(x, wt, ends, out);
+  else
+    grouped_rows_typed<float>(x, wt, ends, out);
+}
+
+// The kernel's operands: fp32 rows, fp32 or bf16 weights.
+bool kernel_dtypes(const at::Tensor& x, const at::Tensor& w) {
+  return x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16);
 }
 
 void check_ends(const int64_t* ends, int64_t G, const char* op) {
@@ -134,7 +157,8 @@ void zero_tail(at::Tensor& out, int64_t r1) {
 at::Tensor grouped_rows_mm(const at::Tensor& x_, const at::Tensor& wt_, const at::Tensor& offs_) {
   TORCH_CHECK(x_.device().is_cpu() && wt_.device().is_cpu() && offs_.device().is_cpu(),
               "grouped_rows_mm: CPU tensors only");
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && wt_.scalar_type() == at::kFloat, "grouped_rows_mm: fp32 only");
+  TORCH_CHECK(kernel_dtypes(x_, wt_), "grouped_rows_mm: x fp32, wt fp32 or bf16 (got ", x_.scalar_type(), ", ",
+              wt_.scalar_type(), ")");
   TORCH_CHECK(x_.dim() == 2 && wt_.dim() == 3 && offs_.dim() == 1,
               "grouped_rows_mm: x [M, K], wt [G, N, K], offs [G]");
   const at::Tensor x = x_.contiguous(), wt = wt_.contiguous(), offs = offs_.to(at::kLong).contiguous();
@@ -158,8 +182,9 @@ constexpr int64_t kMaxRowsPerGroup = 64;     // ops.KERNEL_MAX_ROWS_PER_GROUP
 constexpr int64_t kSwapMaxRows = 8;          // ops.SWAP_MAX_ROWS_PER_GROUP
 constexpr int64_t kSwapMinWeight = 1 << 18;  // ops.SWAP_MIN_WEIGHT
 
-bool fp32(const at::Tensor& a, const at::Tensor& b) {
-  return a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat;
+// A weight in x's dtype (the torch paths' operand: bf16 weights with fp32 rows are widened first).
+at::Tensor as_compute(const at::Tensor& w, const at::Tensor& x) {
+  return w.scalar_type() == x.scalar_type() ? w : w.to(x.scalar_type());
 }
 
 // deepinfer::grouped_mm: x [M, K], w [G, K, N] (a transposed view of the [G, N, K] expert weights), offs [G].
@@ -173,7 +198,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x_, const at::Tensor& w, const at::T
   check_ends(ends, G, "grouped_mm");
   const int64_t last = G ? std::clamp<int64_t>(ends[G - 1], 0, M) : 0;
   at::Tensor out = at::empty({M, N}, x.options());
-  if (fp32(x, w) && last <= kMaxRowsPerGroup * G) {     // the rows in groups: not padding, not other ranks' pairs
+  if (kernel_dtypes(x, w) && last <= kMaxRowsPerGroup * G) {     // the rows in groups: not padding, not other ranks' pairs
     RECORD_FUNCTION("deepinfer_cpu::grouped_rows_mm", std::vector<c10::IValue>());
     grouped_rows(x, w.transpose(1, 2).contiguous(), ends, out);
   } else {
@@ -183,11 +208,11 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x_, const at::Tensor& w, const at::T
       const int64_t r1 = std::clamp<int64_t>(ends[g], r0, M);
       if (r1 > r0) {
         at::Tensor o = out.narrow(0, r0, r1 - r0);
-        const at::Tensor xs = x.narrow(0, r0, r1 - r0);
+        const at::Tensor xs = x.narrow(0, r0, r1 - r0), wg = as_compute(w[g], x);
         if (r1 - r0 <= kSwapMaxRows && K * N >= kSwapMinWeight)
-          o.copy_(at::mm(w[g].t(), xs.t()).t());
+          o.copy_(at::mm(wg.t(), xs.t()).t());
         else
-          at::mm_out(o, xs, w[g]);
+          at::mm_out(o, xs, wg);
       }
       r0 = r1;
     }
@@ -199,7 +224,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x_, const at::Tensor& w, const at::T
 // deepinfer::rows_linear: F.linear(x [M, K], w [N, K]) for a few rows of a big weight.
 at::Tensor rows_linear_cpu(const at::Tensor& x_, const at::Tensor& w_) {
   TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "rows_linear: x [M, K], w [N, K]");
-  if (!fp32(x_, w_)) return at::mm(w_, x_.t()).t().contiguous();
+  if (!kernel_dtypes(x_, w_)) return at::mm(as_compute(w_, x_), x_.t()).t().contiguous();
   const at::Tensor x = x_.contiguous(), w = w_.contiguous();
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   const int64_t ends[1] = {x.size(0)};

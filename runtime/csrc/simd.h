@@ -2,7 +2,15 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace deepinfer_simd {
+
+// Eight bf16 values widened to fp32: bf16 is fp32's upper half, so a zero-extend and a 16-bit shift.
+inline __m256 load_bf16(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 
 // The horizontal sum of one vector.
 inline float hsum(__m256 v) {

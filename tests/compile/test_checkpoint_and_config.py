@@ -183,6 +183,9 @@ def test_sharded_checkpoint_index(checkpoints, tmp_path):
     (dict(moe_path="grouped", moe_capacity=4), "--moe-capacity: only for --moe-path static"),
     (dict(moe_path="grouped", backend="neuron", neuron_target="trn2"), "the Neuron backend does not have"),
     (dict(capacity_factor=float("nan")), "--capacity-factor=nan must be a finite number"),
+    (dict(weight_dtype="float16"), "--weight-dtype='float16' is not one of float32, bfloat16"),
+    (dict(weight_dtype="bfloat16", backend="cuda"), "--weight-dtype=bfloat16 with --dtype=float32 --backend=cuda"),
+    (dict(weight_dtype="float32", dtype="bfloat16"), "may differ from --dtype only as bfloat16 weights"),
 ])
 def test_bad_options_are_refused(checkpoints, kw, message):
     m = ModelConfig.from_file(checkpoints["base"] / "config.json")
@@ -205,3 +208,14 @@ def test_moe_path_auto_resolution(checkpoints, kw, path):
     cc = resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128, **kw), m)
     assert cc.moe_path == path
     assert (cc.moe_capacity == ()) == (path == "grouped")
+
+
+def test_weight_dtype_resolution(checkpoints):
+    """--weight-dtype equal to --dtype (or absent) is no separate storage; bfloat16 on the cpu backend is."""
+    m = ModelConfig.from_file(checkpoints["base"] / "config.json")
+    def cc(**kw):
+        return resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128, **kw), m)
+    assert cc().weight_dtype is None and cc().weights_dtype == "float32"
+    assert cc(weight_dtype="float32").weight_dtype is None
+    assert cc(backend="cuda", dtype="bfloat16", weight_dtype="bfloat16").weight_dtype is None
+    assert cc(weight_dtype="bfloat16").weights_dtype == cc(backend="eager", weight_dtype="bfloat16").weights_dtype == "bfloat16"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -9,6 +10,7 @@ import time
 from checkpoints import hf_greedy, hf_model
 from deepinfer.compile.driver import compile_artifact
 from deepinfer.compile.options import CompileOptions
+from deepinfer.compile.weights import shard_bytes, shard_specs
 from deepinfer.runtime.engine import Engine
 from deepinfer.runtime.sequence import SamplingParams
 
@@ -62,3 +64,22 @@ def test_aoti_multi_rank_artifact_matches_single_rank(checkpoints, cache_dir, tm
     finally:
         engine.close()
     assert got == want
+
+
+def test_aoti_bf16_weights_match_transformers(bf16_checkpoint, cache_dir, tmp_path):
+    """--weight-dtype bfloat16: a bf16 checkpoint's weight matrices stay bf16 in the shard (half the bytes) and
+    the compiled graphs widen them as they stream (Inductor's fused one-row reductions and gathered experts, the
+    kernels' ops at 4 rows); greedy tokens equal transformers' float32 run on the same weights."""
+    opts = dict(model=bf16_checkpoint, backend="cpu", decode_buckets=(1, 4), prefill_buckets=(16,), context_limit=64,
+                cache_dir=cache_dir / "aoti", jobs=2)
+    narrow = compile_artifact(CompileOptions(out=tmp_path / "a", weight_dtype="bfloat16", **opts), log=lambda s: None)
+    m, cc = narrow.manifest.model, narrow.manifest.compile
+    assert cc.weights_dtype == "bfloat16"
+    wide = shard_bytes(shard_specs(m, dataclasses.replace(cc, weight_dtype=None), narrow.manifest.layout.ranks[0]))
+    ratio = narrow.manifest.memory[0].weights_bytes / wide
+    assert 0.5 <= ratio < 0.55, ratio                 # the norms, router and rope frequencies stay float32
+    engine = Engine.from_artifact(tmp_path / "a")
+    hf = hf_model(bf16_checkpoint)
+    prompts = [[7, 8, 9], list(range(5, 45)), [11] * 6, [3, 1, 4, 1, 5]]
+    got = [s.output_ids for s in engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    assert got == [hf_greedy(hf, p, 12) for p in prompts]

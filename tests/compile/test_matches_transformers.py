@@ -19,10 +19,19 @@ def prompt_of(n: int, seed: int, vocab: int = 320) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_every_bucket_matches_logits(variant, checkpoints, compile_artifact):
-    ck = checkpoints[variant]
-    art = open_artifact(compile_artifact(ck))
+@pytest.mark.parametrize("variant", [*VARIANTS, "bf16_weights"])
+def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, compile_artifact):
+    """Every graph kind against transformers in float32. bf16_weights: a bf16 checkpoint served with bf16
+    weight matrices and float32 math, against transformers' float32 on the same (widened) weights: as exact."""
+    if variant == "bf16_weights":
+        ck = bf16_checkpoint
+        art = open_artifact(compile_artifact(ck, weight_dtype="bfloat16"))
+        dtypes = {w.key: w.dtype for g in art.manifest.graphs for w in g.weights}
+        assert dtypes["moe.experts_down"] == dtypes["attn.o_proj"] == dtypes["embed"] == "bfloat16"
+        assert dtypes["input_layernorm"] == dtypes["moe.router_weight"] == "float32"
+    else:
+        ck = checkpoints[variant]
+        art = open_artifact(compile_artifact(ck))
     cc = art.manifest.compile
     hf = hf_model(ck)
     runner = make_runner(art, rank=0)

@@ -193,16 +193,18 @@ def _kernels_or_skip():
 
 
 @pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7)])
-@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
-def test_grouped_rows_kernel_matches(K, N, offs_dtype):
+@pytest.mark.parametrize("offs_dtype,wdtype", [(torch.int32, torch.float32), (torch.int64, torch.float32),
+                                               (torch.int32, torch.bfloat16)])
+def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype):
     """The CPU few-rows kernel against per-group matmuls in float64: groups of 0-9 rows (register tiles of 4
-    rows and 3 weight rows, with every remainder), K not a multiple of the vector width, rows in no group."""
+    rows and 3 weight rows, with every remainder), K not a multiple of the vector width, rows in no group;
+    fp32 weights and bf16 ones (widened exactly: the reference is the same bf16 values in float64)."""
     _kernels_or_skip()
     g = torch.Generator().manual_seed(K * N)
     sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7]
     M = sum(sizes) + 2
     x = torch.randn(K, M, generator=g).t()                      # not contiguous
-    wt = torch.randn(len(sizes), N, K, generator=g)
+    wt = torch.randn(len(sizes), N, K, generator=g).to(wdtype)
     offs = torch.tensor(sizes).cumsum(0).to(offs_dtype)
     out = torch.ops.deepinfer_cpu.grouped_rows_mm(x, wt, offs)
     ref = torch.zeros(M, N, dtype=torch.float64)
@@ -237,6 +239,33 @@ def test_grouped_mm_takes_the_kernel_for_few_rows():
         ref = torch.cat([x[:2].double() @ big[0].double(), x[2:200].double() @ big[2].double()])
         torch.testing.assert_close(out[:200].double(), ref, rtol=2e-2, atol=tol)
         assert torch.count_nonzero(out[200:]) == 0
+
+
+def test_bf16_weights_with_fp32_rows():
+    """bf16 weights (--weight-dtype bfloat16) meet fp32 rows in every path of both ops and give fp32 results
+    equal to the fp32 math on the same (widened) weights: grouped_mm's kernel and per-group GEMMs, rows_linear's
+    kernel, and the torch paths the Python bodies take without the kernels."""
+    _kernels_or_skip()
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(4, 64, 520, generator=g).bfloat16()         # [G, K, N]
+    for rows in (12, 400):                                       # 3 rows a group: kernel; 100: one GEMM a group
+        x = torch.randn(rows, 64, generator=g)
+        offs = torch.tensor([rows // 4, rows // 2, 3 * rows // 4, rows - 1], dtype=torch.int32)
+        ref = torch.zeros(rows, 520, dtype=torch.float64)
+        for e, (a, b) in enumerate(zip([0] + offs[:-1].tolist(), offs.tolist())):
+            ref[a:b] = x[a:b].double() @ w[e].double()
+        out, took = _profiled_grouped_mm(x, w, offs)
+        assert took == (rows == 12) and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(ops.grouped_mm_torch(x, w, offs)[: rows - 1].double(), ref[: rows - 1],
+                                   rtol=1e-5, atol=1e-4)
+    lw = torch.randn(520, 509, generator=g).bfloat16()
+    for M in (2, 9):
+        x = torch.randn(M, 509, generator=g)
+        ref = x.double() @ lw.double().T
+        for got in (torch.ops.deepinfer.rows_linear(x, lw), ops.rows_linear_torch(x, lw)):
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
 
 
 def test_cpu_kernel_thresholds_match_the_python_ones():
