@@ -1,11 +1,16 @@
 """Our compiled engine vs transformers vs our own model in eager PyTorch, on the same checkpoint, this CPU.
 
-    python benchmarks/cpu_vs_transformers.py [--configs small,mid] [--layouts 1x1,2x2,4x4] [--out FILE.md]
+    python benchmarks/cpu_vs_transformers.py [--configs small,mid,mid-bf16] [--layouts 1x1,2x2,4x4] [--out FILE.md]
 
 Builds random-weight DeepSeek-V3 checkpoints with transformers' save_pretrained, compiles them with the
 `cpu` backend (AOTInductor; cached by graph hash), and prints one table: prefill tokens/s, decode
 ms/token at batch 1, decode tokens/s at 16 concurrent sequences, and the time to the first tokens of 16
 concurrent 32-token prompts, each with the ratio to transformers (its batched `generate`).
+A config named NAME-bf16 is NAME's model saved as a bf16 checkpoint (as real ones ship), which we compile with
+--weight-dtype bfloat16 (bf16 weight matrices, float32 math) and transformers runs in float32 (the same math on
+the same weights: the logits agree to float32 rounding; tests/compile/test_matches_transformers.py) and in
+bfloat16 (its own math; faster at batch 1 on this CPU, slower in batches); each "x HF" there is against the
+faster transformers of the two, column by column.
 With --layouts, decode ms/token per cp x ep layout and the collectives' share of a decode step.
 Same threads for everyone (torch.get_num_threads()); each figure is the best of 2-4 rounds in which the engines
 take turns (this machine's speed drifts over minutes; turns expose all engines to the same drift). Ratios matter
@@ -79,10 +84,11 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 # -- transformers ---------------------------------------------------------------------------------------
-def transformers_runs(ck: Path, vocab: int) -> tuple[dict[str, Callable[[], object]], str]:
+def transformers_runs(ck: Path, vocab: int, dtype: torch.dtype = torch.float32
+                      ) -> tuple[dict[str, Callable[[], object]], str]:
     """The measurements on transformers' DeepseekV3ForCausalLM (its batched `generate`, greedy)."""
     from checkpoints import hf_model
-    hf = hf_model(ck)
+    hf = hf_model(ck, dtype)
     try:
         hf.set_experts_implementation("grouped_mm")
         impl = "grouped_mm"
@@ -138,10 +144,12 @@ def eager_engine(art: Path):
     return Engine(m, runner, load_tokenizer(a.root, [t.path for t in m.tokenizer], None))
 
 
-def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, backend: str = "cpu") -> Path:
+def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, backend: str = "cpu",
+                weight_dtype: str | None = None) -> Path:
     from deepinfer.compile.driver import compile_artifact
     from deepinfer.compile.options import CompileOptions
-    compile_artifact(CompileOptions(model=ck, out=out, backend=backend, cp=cp, ep=ep, decode_buckets=(1, 16),
+    compile_artifact(CompileOptions(model=ck, out=out, backend=backend, cp=cp, ep=ep, weight_dtype=weight_dtype,
+                                    decode_buckets=(1, 16),
                                     prefill_buckets=(256,), context_buckets=(128, 256), context_limit=512,
                                     cache_dir=cache), log=lambda s: None)
     return out
@@ -162,12 +170,12 @@ def collective_share(engine, vocab: int) -> float:
     return coll / 1e6 / wall
 
 
-def bench_roofline(m, bw: float, flops: float) -> dict:
-    """Floors for the same four measurements (fp32 weights, 4 bytes a parameter)."""
+def bench_roofline(m, bw: float, flops: float, weight_bytes: int = 4) -> dict:
+    """Floors for the same four measurements (fp32 weights, 4 bytes a parameter; bf16 weights 2)."""
     from roofline import step_floor_s
 
     def step_s(tokens: int, context: float, logit_rows: int) -> float:
-        return step_floor_s(m, tokens, context, logit_rows, 4, bw, flops)
+        return step_floor_s(m, tokens, context, logit_rows, weight_bytes, bw, flops)
     ctx = 32 + DECODE_TOKENS / 2                              # decode: keys per token, on average
     return {"prefill_tok_s": PREFILL_LEN / step_s(PREFILL_LEN, (PREFILL_LEN + 1) / 2, 1),
             "decode_ms": 1e3 * step_s(1, ctx, 1),
@@ -198,28 +206,37 @@ def main() -> None:
              "| first tokens of 16 (ms) | x HF |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in filter(None, args.configs.split(",")):
+        bf16 = name.endswith("-bf16")
         if name == "demo":           # the trained demo model: realistic, balanced routing
             from deepinfer.compile.options import DEMO_MODEL
             ck, cfg = DEMO_MODEL, {"vocab_size": 4096}
         else:
-            cfg = CONFIGS[name]
+            cfg = CONFIGS[name.removesuffix("-bf16")]
             ck = work / f"ck-{name}"
             if not (ck / "config.json").exists():
-                make_checkpoint(ck, seed=0, **cfg)
-        art = compile_for(ck, work / f"art-{name}", cache)
+                make_checkpoint(ck, seed=0, dtype=torch.bfloat16 if bf16 else torch.float32, **cfg)
+        art = compile_for(ck, work / f"art-{name}", cache, weight_dtype="bfloat16" if bf16 else None)
         hf_fns, impl = transformers_runs(ck, cfg["vocab_size"])
         eng = Engine.from_artifact(art)
-        best = interleaved({"hf": hf_fns, "ours": engine_runs(eng, cfg["vocab_size"]),
-                            "eager": engine_runs(eager_engine(art), cfg["vocab_size"])})
+        runs = {"hf": hf_fns, "ours": engine_runs(eng, cfg["vocab_size"]),
+                "eager": engine_runs(eager_engine(art), cfg["vocab_size"])}
+        if bf16:
+            runs["hf16"] = transformers_runs(ck, cfg["vocab_size"], torch.bfloat16)[0]
+        best = interleaved(runs)
         hf, ours, eager = (figures(best[k]) for k in ("hf", "ours", "eager"))
-        roof = bench_roofline(ModelConfig.from_file(Path(ck) / "config.json"), bw, flops)
-        for label, r in (("transformers experts=" + impl, hf), ("deepinfer eager PyTorch", eager),
+        rows = [("transformers experts=" + impl + (" (fp32)" if bf16 else ""), hf)]
+        if bf16:
+            hf16 = figures(best["hf16"])
+            rows.append(("transformers experts=" + impl + " (bf16)", hf16))
+            hf = {k: (min if k in ("decode_ms", "batch_ttft_ms") else max)(hf[k], hf16[k]) for k in hf}
+        roof = bench_roofline(ModelConfig.from_file(Path(ck) / "config.json"), bw, flops, 2 if bf16 else 4)
+        for label, r in (*rows, ("deepinfer eager PyTorch", eager),
                          ("deepinfer compiled (cpu)", ours), ("roofline (this machine)", roof)):
             lines.append(f"| {name} | {label} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / hf['prefill_tok_s']:.2f} "
                          f"| {r['decode_ms']:.2f} | {hf['decode_ms'] / r['decode_ms']:.2f} | {r['batch_tok_s']:.0f} "
                          f"| {r['batch_tok_s'] / hf['batch_tok_s']:.2f} | {r['batch_ttft_ms']:.0f} "
                          f"| {hf['batch_ttft_ms'] / r['batch_ttft_ms']:.2f} |")
-        print("\n".join(lines[-4:]), flush=True)
+        print("\n".join(lines[-4 - bf16:]), flush=True)
     if args.layouts:
         from deepinfer.compile.options import DEMO_MODEL
         lines += ["", "| layout (demo model) | world | decode ms/tok (b=1) | decode tok/s (b=16) | collectives share of a decode step |",
