@@ -65,9 +65,10 @@ def _env_int(name: str) -> int | None:
 @click.option("--backend", type=click.Choice(["cpu", "eager", "cuda", "neuron"]), default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Activations, KV pool and math.")
-@click.option("--weight-dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
-              help="Storage of the weight matrices (default: --dtype). cpu/eager: bfloat16 weights with float32 "
-                   "math, half the memory and bytes a decode step streams (a bf16 checkpoint is served exactly).")
+@click.option("--weight-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="Storage of the weight matrices. cpu/eager with float32 math may keep them bfloat16: half the "
+                   "memory and the bytes a decode step streams. auto: bfloat16 there when the checkpoint stores "
+                   "its matrices in bf16 (served exactly), else --dtype.")
 @click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel ranks (KV sharded by block).")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel ranks.")
 @click.option("--decode-buckets", callback=_buckets, default="1,8", show_default=True,

@@ -6,8 +6,9 @@ Builds random-weight DeepSeek-V3 checkpoints with transformers' save_pretrained,
 `cpu` backend (AOTInductor; cached by graph hash), and prints one table: prefill tokens/s, decode
 ms/token at batch 1, decode tokens/s at 16 concurrent sequences, and the time to the first tokens of 16
 concurrent 32-token prompts, each with the ratio to transformers (its batched `generate`).
-A config named NAME-bf16 is NAME's model saved as a bf16 checkpoint (as real ones ship), which we compile with
---weight-dtype bfloat16 (bf16 weight matrices, float32 math) and transformers runs in float32 (the same math on
+A config named NAME-bf16 is NAME's model saved as a bf16 checkpoint (as real ones ship; the demo model is one
+too), which we compile as stored (--weight-dtype auto: bf16 weight matrices, float32 math) and transformers
+runs in float32 (the same math on
 the same weights: the logits agree to float32 rounding; tests/compile/test_matches_transformers.py) and in
 bfloat16 (its own math; faster at batch 1 on this CPU, slower in batches); each "x HF" there is against the
 faster transformers of the two, column by column.
@@ -185,7 +186,8 @@ def bench_roofline(m, bw: float, flops: float, weight_bytes: int = 4) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="demo,mid", help="demo (the trained demo model), small, mid")
+    ap.add_argument("--configs", default="demo,mid,mid-bf16",
+                    help="demo (the trained demo model), small, mid, and any of them + -bf16 (a bf16 checkpoint)")
     ap.add_argument("--layouts", default="", help="e.g. 1x1,2x2,4x4 (cp x ep) for the small config")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="also write the tables (markdown) to this file")
@@ -215,7 +217,9 @@ def main() -> None:
             ck = work / f"ck-{name}"
             if not (ck / "config.json").exists():
                 make_checkpoint(ck, seed=0, dtype=torch.bfloat16 if bf16 else torch.float32, **cfg)
-        art = compile_for(ck, work / f"art-{name}", cache, weight_dtype="bfloat16" if bf16 else None)
+        from deepinfer.compile.checkpoint import Checkpoint
+        bf16 = Checkpoint(ck).stored_matrix_dtype() == "bfloat16"     # the demo model too; compiled as stored
+        art = compile_for(ck, work / f"art-{name}", cache)
         hf_fns, impl = transformers_runs(ck, cfg["vocab_size"])
         eng = Engine.from_artifact(art)
         runs = {"hf": hf_fns, "ours": engine_runs(eng, cfg["vocab_size"]),

@@ -77,6 +77,18 @@ class Checkpoint:
             self._handles[f] = h
         return h
 
+    def stored_matrix_dtype(self) -> str | None:
+        """"bfloat16" when every weight matrix (2-D and up, the router's excepted) is stored in bf16, as
+        real checkpoints ship them; else None (float32, mixed, or FP8 blocks, which dequantize to float32)."""
+        seen = set()
+        for name, f in self._where.items():
+            if name.endswith(("mlp.gate.weight", "weight_scale_inv")):
+                continue
+            sl = self._open(f).get_slice(name)
+            if len(sl.get_shape()) >= 2:
+                seen.add(sl.get_dtype())
+        return "bfloat16" if seen == {"BF16"} else None
+
     def has(self, name: str) -> bool:
         return name in self._where
 

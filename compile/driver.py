@@ -52,7 +52,7 @@ def load_model(o: CompileOptions) -> tuple[ModelConfig, Checkpoint | None]:
 def compile_artifact(o: CompileOptions, log: Log = print) -> CompileReport:
     t0 = time.perf_counter()
     m, ck = load_model(o)
-    cc = resolve(o, m)
+    cc = resolve(o, m, ck.stored_matrix_dtype() if ck is not None else None)
     layout = make_layout(m, cc)
     tc = backends.toolchain(cc.backend, cc.neuron_target)
     plans = plan_graphs(m, cc)

@@ -23,7 +23,7 @@ class CompileOptions:
     out: Path
     backend: str = "cpu"
     dtype: str = "float32"
-    weight_dtype: str | None = None      # storage of the weight matrices (default: dtype); CPU: bfloat16 with float32
+    weight_dtype: str = "auto"           # storage of the weight matrices: auto (below), float32, bfloat16
     cp: int = 1
     ep: int = 1
     decode_buckets: tuple[int, ...] = (1, 8)
@@ -51,13 +51,20 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deepinfer"
 
 
-def resolve(o: CompileOptions, m: ModelConfig) -> CompileConfig:
-    """Fill defaults from the model and check every rule; raises OptionError naming the flag."""
+def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) -> CompileConfig:
+    """Fill defaults from the model and check every rule; raises OptionError naming the flag. `stored_dtype`:
+    the checkpoint's weight matrices' dtype where it is not float32 (`Checkpoint.stored_matrix_dtype`)."""
     if o.backend not in BACKENDS:
         raise OptionError(f"--backend={o.backend!r} is not one of {', '.join(BACKENDS)}")
     if o.dtype not in DTYPE_NAMES:
         raise OptionError(f"--dtype={o.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
-    weight_dtype = None if o.weight_dtype in (None, o.dtype) else o.weight_dtype
+    weight_dtype = o.weight_dtype
+    if weight_dtype in (None, "auto"):
+        # A bf16 checkpoint on the CPU: keep its matrices bf16 under float32 math (exact, half the memory and
+        # the bytes a decode step streams); everything else stores them in --dtype.
+        bf16_cpu = o.backend in ("cpu", "eager") and o.dtype == "float32" and stored_dtype == "bfloat16"
+        weight_dtype = "bfloat16" if bf16_cpu else o.dtype
+    weight_dtype = None if weight_dtype == o.dtype else weight_dtype
     if weight_dtype is not None:
         if weight_dtype not in DTYPE_NAMES:
             raise OptionError(f"--weight-dtype={o.weight_dtype!r} is not one of {', '.join(DTYPE_NAMES)}")

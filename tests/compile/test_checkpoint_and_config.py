@@ -211,11 +211,23 @@ def test_moe_path_auto_resolution(checkpoints, kw, path):
 
 
 def test_weight_dtype_resolution(checkpoints):
-    """--weight-dtype equal to --dtype (or absent) is no separate storage; bfloat16 on the cpu backend is."""
+    """--weight-dtype equal to --dtype is no separate storage; bfloat16 on the cpu backend is. auto: bfloat16
+    where the checkpoint stores bf16 matrices and the math is float32 on cpu/eager, else --dtype."""
     m = ModelConfig.from_file(checkpoints["base"] / "config.json")
-    def cc(**kw):
-        return resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128, **kw), m)
+    def cc(stored=None, **kw):
+        return resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128, **kw), m,
+                       stored)
     assert cc().weight_dtype is None and cc().weights_dtype == "float32"
+    assert cc("bfloat16").weight_dtype == cc("bfloat16", backend="eager").weight_dtype == "bfloat16"
+    assert cc("bfloat16", weight_dtype="float32").weight_dtype is None                  # explicit: upcast
+    assert cc("bfloat16", backend="cuda").weight_dtype is None
+    assert cc("bfloat16", dtype="bfloat16").weight_dtype is None
     assert cc(weight_dtype="float32").weight_dtype is None
     assert cc(backend="cuda", dtype="bfloat16", weight_dtype="bfloat16").weight_dtype is None
     assert cc(weight_dtype="bfloat16").weights_dtype == cc(backend="eager", weight_dtype="bfloat16").weights_dtype == "bfloat16"
+
+
+def test_stored_matrix_dtype(checkpoints, bf16_checkpoint):
+    from deepinfer.compile.checkpoint import Checkpoint
+    assert Checkpoint(bf16_checkpoint).stored_matrix_dtype() == "bfloat16"
+    assert Checkpoint(checkpoints["base"]).stored_matrix_dtype() is None

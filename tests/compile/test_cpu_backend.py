@@ -67,12 +67,12 @@ def test_aoti_multi_rank_artifact_matches_single_rank(checkpoints, cache_dir, tm
 
 
 def test_aoti_bf16_weights_match_transformers(bf16_checkpoint, cache_dir, tmp_path):
-    """--weight-dtype bfloat16: a bf16 checkpoint's weight matrices stay bf16 in the shard (half the bytes) and
+    """A bf16 checkpoint (--weight-dtype auto): its weight matrices stay bf16 in the shard (half the bytes) and
     the compiled graphs widen them as they stream (Inductor's fused one-row reductions and gathered experts, the
     kernels' ops at 4 rows); greedy tokens equal transformers' float32 run on the same weights."""
     opts = dict(model=bf16_checkpoint, backend="cpu", decode_buckets=(1, 4), prefill_buckets=(16,), context_limit=64,
                 cache_dir=cache_dir / "aoti", jobs=2)
-    narrow = compile_artifact(CompileOptions(out=tmp_path / "a", weight_dtype="bfloat16", **opts), log=lambda s: None)
+    narrow = compile_artifact(CompileOptions(out=tmp_path / "a", **opts), log=lambda s: None)
     m, cc = narrow.manifest.model, narrow.manifest.compile
     assert cc.weights_dtype == "bfloat16"
     wide = shard_bytes(shard_specs(m, dataclasses.replace(cc, weight_dtype=None), narrow.manifest.layout.ranks[0]))
