@@ -146,7 +146,7 @@ def eager_engine(art: Path):
 
 
 def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, backend: str = "cpu",
-                weight_dtype: str | None = None) -> Path:
+                weight_dtype: str = "auto") -> Path:
     from deepinfer.compile.driver import compile_artifact
     from deepinfer.compile.options import CompileOptions
     compile_artifact(CompileOptions(model=ck, out=out, backend=backend, cp=cp, ep=ep, weight_dtype=weight_dtype,

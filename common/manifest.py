@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import serde
@@ -43,8 +43,9 @@ class CompileConfig:
     moe_decode_path: str = "auto"      # static path and CPU decode: dense | gather | auto (gather: T*top_k < E)
     moe_path: str = "static"           # grouped: exact grouped GEMMs, every bucket | static: capacity + dense/gather
     neuron_target: str | None = None
-    weight_dtype: str | None = None    # the weight matrices' storage dtype where it differs from dtype (CPU: bfloat16
-                                       # weights, float32 math); None: dtype
+    # The weight matrices' storage dtype where it differs from dtype (CPU: bfloat16 weights, float32 math); None:
+    # dtype, and then absent from the JSON, so manifests without it (older ones) keep their bytes and root hash.
+    weight_dtype: str | None = field(default=None, metadata={"omit_if_none": True})
 
     @property
     def weights_dtype(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -18,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..common import serde
-from ..common.errors import DeepinferError, OptionError
+from ..common.errors import CheckpointError, DeepinferError, OptionError
 from ..common.manifest import (DECODE, MANIFEST_FILE, SCHEMA_VERSION, FileEntry, GraphEntry, Manifest, RankMemory,
                                WeightShard, sha256_file)
 from ..common.model_config import ModelConfig
@@ -49,10 +50,23 @@ def load_model(o: CompileOptions) -> tuple[ModelConfig, Checkpoint | None]:
     return ck.config, ck
 
 
+def _stored_dtype(o: CompileOptions, ck: Checkpoint | None) -> str | None:
+    """The checkpoint's weight-matrix dtype for --weight-dtype auto; a shape-only compile reads it from the
+    safetensors headers when the directory has them (else auto means --dtype)."""
+    if ck is not None:
+        return ck.stored_matrix_dtype()
+    if o.model.is_dir() and (any(o.model.glob("*.safetensors")) or (o.model / "model.safetensors.index.json").is_file()):
+        try:
+            return Checkpoint(o.model, require_weights=False).stored_matrix_dtype()
+        except CheckpointError:
+            return None
+    return None
+
+
 def compile_artifact(o: CompileOptions, log: Log = print) -> CompileReport:
     t0 = time.perf_counter()
     m, ck = load_model(o)
-    cc = resolve(o, m, ck.stored_matrix_dtype() if ck is not None else None)
+    cc = resolve(o, m, _stored_dtype(o, ck))
     layout = make_layout(m, cc)
     tc = backends.toolchain(cc.backend, cc.neuron_target)
     plans = plan_graphs(m, cc)
@@ -290,7 +304,7 @@ def _one_line(e: BaseException) -> str:
 def memory_plan(m: ModelConfig, cc, layout, plans: list[GraphPlan]) -> list[RankMemory]:
     elt = torch.tensor([], dtype=DTYPES[cc.dtype]).element_size()
     kv = m.num_hidden_layers * (cc.kv_blocks_per_rank + 1) * cc.block_size * m.kv_cache_dim * elt
-    act = max(_activation_bytes(m, p, elt) for p in plans)
+    act = max(_activation_bytes(m, p, elt) + _widened_bytes(m, cc, p) for p in plans)
     return [RankMemory(rank=r.rank, weights_bytes=shard_bytes(shard_specs(m, cc, r)), kv_pool_bytes=kv,
                        activations_bytes=act) for r in layout.ranks]
 
@@ -314,6 +328,20 @@ def _activation_bytes(m: ModelConfig, p: GraphPlan, elt: int) -> int:
         experts = E * max(s.capacity, 1) * (3 * I + D) * 4 + E * T * (3 * I + D) * 4  # capacity + dense rerun
     dense = 3 * T * m.intermediate_size * elt
     return 6 * T * D * 4 + max(attn, experts, dense)
+
+
+def _widened_bytes(m: ModelConfig, cc, p: GraphPlan) -> int:
+    """bf16 weights under float32 math: the float32 copy a graph makes of a weight its loops cannot widen as
+    they read (GEMMs over more than the small-GEMM rows: one projection; the static path's batched experts: all
+    of a layer's local experts at once)."""
+    if not cc.weight_dtype:
+        return 0
+    s = p.spec
+    big = max((math.prod(w.shape) for w in p.weight_specs if len(w.shape) >= 2 and "experts_" not in w.name),
+              default=0)
+    if s.moe_path in ("capacity", "dense") and s.region in ("moe_layer", "moe_dense"):
+        big = max(big, 3 * s.local_experts * m.moe_intermediate_size * m.hidden_size)
+    return 4 * big
 
 
 def _group_ranks(memory: list[RankMemory]) -> list[tuple[str, RankMemory]]:

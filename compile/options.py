@@ -67,7 +67,7 @@ def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) 
     weight_dtype = None if weight_dtype == o.dtype else weight_dtype
     if weight_dtype is not None:
         if weight_dtype not in DTYPE_NAMES:
-            raise OptionError(f"--weight-dtype={o.weight_dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+            raise OptionError(f"--weight-dtype={o.weight_dtype!r} is not one of auto, {', '.join(DTYPE_NAMES)}")
         if o.backend not in ("cpu", "eager") or (o.dtype, weight_dtype) != ("float32", "bfloat16"):
             raise OptionError(f"--weight-dtype={weight_dtype} with --dtype={o.dtype} --backend={o.backend}: weights "
                               f"may differ from --dtype only as bfloat16 weights with float32 math on the cpu and "

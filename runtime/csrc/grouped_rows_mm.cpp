@@ -32,8 +32,8 @@ inline float wscalar(at::BFloat16 v) { return static_cast<float>(v); }
 
 constexpr int kNW = 3;            // weight rows per register tile (3 x 4 accumulators + 3 + 1 = 16 ymm)
 constexpr int64_t kBlockN = 48;   // weight rows per parallel task
-// Software prefetch: each weight row's read position plus this many floats (16 KB), i.e. for K < 4096 into the
-// rows of the tiles that follow. The hardware prefetchers alone kept the expert GEMM (`mid` model, 64 rows in 16
+// Software prefetch: each weight row's read position plus 16 KB (4096 floats, 8192 bf16), i.e. for shorter rows
+// into the rows of the tiles that follow. The hardware prefetchers alone kept the expert GEMM (`mid` model, 64 rows in 16
 // groups, weights out of cache) at 14-17 GB/s; with this, in the same runs, 17-21 GB/s (3-16K floats ahead all
 // alike; 1K or less no gain). Prefetching along each row instead, wrapping into the same row of the next tile,
 // was no better (0.93-1.10x at K = 512, 1024, 2048). Not for one-row groups, whose loop is load-bound already:
@@ -225,6 +225,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x_, const at::Tensor& w, const at::T
 at::Tensor rows_linear_cpu(const at::Tensor& x_, const at::Tensor& w_) {
   TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "rows_linear: x [M, K], w [N, K]");
   if (!kernel_dtypes(x_, w_)) return at::mm(as_compute(w_, x_), x_.t()).t().contiguous();
+  RECORD_FUNCTION("deepinfer_cpu::grouped_rows_mm", std::vector<c10::IValue>());
   const at::Tensor x = x_.contiguous(), w = w_.contiguous();
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   const int64_t ends[1] = {x.size(0)};

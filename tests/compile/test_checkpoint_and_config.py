@@ -183,7 +183,7 @@ def test_sharded_checkpoint_index(checkpoints, tmp_path):
     (dict(moe_path="grouped", moe_capacity=4), "--moe-capacity: only for --moe-path static"),
     (dict(moe_path="grouped", backend="neuron", neuron_target="trn2"), "the Neuron backend does not have"),
     (dict(capacity_factor=float("nan")), "--capacity-factor=nan must be a finite number"),
-    (dict(weight_dtype="float16"), "--weight-dtype='float16' is not one of float32, bfloat16"),
+    (dict(weight_dtype="float16"), "--weight-dtype='float16' is not one of auto, float32, bfloat16"),
     (dict(weight_dtype="bfloat16", backend="cuda"), "--weight-dtype=bfloat16 with --dtype=float32 --backend=cuda"),
     (dict(weight_dtype="float32", dtype="bfloat16"), "may differ from --dtype only as bfloat16 weights"),
 ])
@@ -231,3 +231,19 @@ def test_stored_matrix_dtype(checkpoints, bf16_checkpoint):
     from deepinfer.compile.checkpoint import Checkpoint
     assert Checkpoint(bf16_checkpoint).stored_matrix_dtype() == "bfloat16"
     assert Checkpoint(checkpoints["base"]).stored_matrix_dtype() is None
+
+
+def test_manifest_omits_an_unset_weight_dtype():
+    """CompileConfig.weight_dtype is in the JSON only when set: manifests written before it existed read back to
+    the same bytes (their root hash still verifies), and a set one round-trips."""
+    from deepinfer.common import serde
+    from deepinfer.common.manifest import CompileConfig
+    base = dict(backend="cpu", dtype="float32", cp=1, ep=1, decode_buckets=(1,), prefill_buckets=(16,),
+                context_buckets=(64,), context_limit=64, block_size=16, num_kv_blocks=4, moe_capacity=(),
+                capacity_factor=None)
+    plain = serde.dumps(CompileConfig(**base))
+    assert "weight_dtype" not in plain
+    assert serde.dumps(serde.loads(CompileConfig, plain, "compile")) == plain
+    narrow = CompileConfig(**base, weight_dtype="bfloat16")
+    assert '"weight_dtype": "bfloat16"' in serde.dumps(narrow)
+    assert serde.loads(CompileConfig, serde.dumps(narrow), "compile") == narrow

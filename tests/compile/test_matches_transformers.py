@@ -19,13 +19,16 @@ def prompt_of(n: int, seed: int, vocab: int = 320) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("variant", [*VARIANTS, "bf16_weights"])
+@pytest.mark.parametrize("variant", [*VARIANTS, "bf16_weights", "bf16_weights_static"])
 def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, compile_artifact):
     """Every graph kind against transformers in float32. bf16_weights: a bf16 checkpoint served with bf16
-    weight matrices and float32 math, against transformers' float32 on the same (widened) weights: as exact."""
-    if variant == "bf16_weights":
+    weight matrices and float32 math, against transformers' float32 on the same (widened) weights: as exact;
+    with a 128-token prefill bucket (GEMMs past the small-GEMM rows), and on the static MoE path with a capacity
+    of 2 (every prefill chunk overflows: capacity, dense decode and the dense rerun all meet bf16 weights)."""
+    if variant.startswith("bf16_weights"):
         ck = bf16_checkpoint
-        art = open_artifact(compile_artifact(ck, weight_dtype="bfloat16"))
+        static = dict(moe_path="static", moe_capacity=2) if variant.endswith("static") else {}
+        art = open_artifact(compile_artifact(ck, weight_dtype="bfloat16", prefill_buckets=(32, 128), **static))
         dtypes = {w.key: w.dtype for g in art.manifest.graphs for w in g.weights}
         assert dtypes["moe.experts_down"] == dtypes["attn.o_proj"] == dtypes["embed"] == "bfloat16"
         assert dtypes["input_layernorm"] == dtypes["moe.router_weight"] == "float32"

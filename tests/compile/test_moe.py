@@ -263,7 +263,10 @@ def test_bf16_weights_with_fp32_rows():
     for M in (2, 9):
         x = torch.randn(M, 509, generator=g)
         ref = x.double() @ lw.double().T
-        for got in (torch.ops.deepinfer.rows_linear(x, lw), ops.rows_linear_torch(x, lw)):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            op = torch.ops.deepinfer.rows_linear(x, lw)
+        assert any(e.name == "deepinfer_cpu::grouped_rows_mm" for e in prof.events())     # the kernel ran
+        for got in (op, ops.rows_linear_torch(x, lw)):
             assert got.dtype == torch.float32
             torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
 
