@@ -163,7 +163,8 @@ class Engine:
         self.host_seconds += (t1 - t0) + (t3 - t2)
         self.sampler_seconds += t3 - t2
         if self.runner.timer is not None:
-            self.runner.timer.add(step.kind, "host+sampler", (t1 - t0) + (t3 - t2))
+            self.runner.timer.add(step.kind, "schedule", t1 - t0)      # scheduling, step inputs, followers' record
+            self.runner.timer.add(step.kind, "sample", t3 - t2)        # sampling, detokenizing, stop checks
         return outputs
 
     def _postprocess(self, step: ScheduledStep, logits: torch.Tensor) -> list[StepOutput]:

@@ -75,7 +75,10 @@ def build_inputs(step: ScheduledStep, cc: CompileConfig) -> StepInputs:
 
 
 class RegionTimer:
-    """Per-region wall time per step kind (DEEPINFER_REGION_TIMING=1); synchronises CUDA when timing."""
+    """Per-region wall time per step kind (DEEPINFER_REGION_TIMING=1); synchronises CUDA when timing.
+    Regions: the graphs (embed, dense_layer and moe_layer, each holding its attention, MoE and traced
+    collectives, head, moe_dense reruns) and the host's share, `schedule` (scheduling, the step's inputs, the
+    followers' record) and `sample` (sampling, detokenizing, stop checks)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -94,10 +97,12 @@ class RegionTimer:
 
     def table(self) -> str:
         rows = ["step kind  region        calls   total ms   ms/step"]
-        for (kind, region), tot in sorted(self.totals.items()):
+        for kind in sorted({k for k, _ in self.totals}):
             steps = max(self.steps.get(kind, 1), 1)
-            rows.append(f"{kind:<10} {region:<12} {self.counts[(kind, region)]:>6} {tot * 1e3:>10.1f} "
-                        f"{tot * 1e3 / steps:>9.3f}")
+            regions = sorted((r, tot) for (k, r), tot in self.totals.items() if k == kind)
+            for region, tot in regions + [("(step)", sum(t for _, t in regions))]:
+                calls = self.counts.get((kind, region), self.steps.get(kind, 0))
+                rows.append(f"{kind:<10} {region:<12} {calls:>6} {tot * 1e3:>10.1f} {tot * 1e3 / steps:>9.3f}")
         return "\n".join(rows)
 
 

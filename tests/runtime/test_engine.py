@@ -148,3 +148,24 @@ def test_cpu_weights_load_into_an_anonymous_arena_with_the_file_values(artifact)
     odd = {"empty": torch.zeros(0, 3), "flags": torch.tensor([True, False]), "half": torch.randn(5, 3).bfloat16()}
     for name, t in _into_huge_page_arena(odd).items():
         assert t.dtype == odd[name].dtype and torch.equal(t, odd[name])
+
+
+def test_region_timing_covers_every_region_per_step_kind(checkpoints, compile_artifact):
+    """DEEPINFER_REGION_TIMING: each step kind's table has every graph region that ran and the host's two
+    shares, with per-step totals that add up."""
+    from deepinfer.runtime.artifact import open_artifact
+    from deepinfer.runtime.engine import make_runner
+    art = open_artifact(compile_artifact(checkpoints["base"]))
+    engine = Engine(art.manifest, make_runner(art, rank=0, timing=True), None)
+    engine.generate([list(range(3, 40)), [5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))
+    timer = engine.runner.timer
+    for kind in ("prefill", "decode"):
+        regions = {r for k, r in timer.totals if k == kind}
+        assert regions == {"embed", "dense_layer", "moe_layer", "head", "schedule", "sample"}, (kind, regions)
+        assert all(timer.totals[(kind, r)] > 0 for r in regions)
+        assert timer.counts[(kind, "moe_layer")] == 2 * timer.steps[kind]        # two MoE layers a step
+    lines = timer.table().splitlines()
+    step = {ln.split()[0]: float(ln.split()[-2]) for ln in lines if "(step)" in ln}
+    for kind in ("prefill", "decode"):
+        parts = sum(float(ln.split()[-2]) for ln in lines[1:] if ln.split()[0] == kind and "(step)" not in ln)
+        assert step[kind] == pytest.approx(parts, abs=0.3)
