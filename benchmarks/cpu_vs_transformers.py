@@ -8,8 +8,7 @@ ms/token at batch 1, decode tokens/s at 16 concurrent sequences, and the time to
 concurrent 32-token prompts, each with the ratio to transformers (its batched `generate`).
 A config named NAME-bf16 is NAME's model saved as a bf16 checkpoint (as real ones ship; the demo model is one
 too), which we compile as stored (--weight-dtype auto: bf16 weight matrices, float32 math) and transformers
-runs in float32 (the same math on
-the same weights: the logits agree to float32 rounding; tests/compile/test_matches_transformers.py) and in
+runs in float32 (the same math on the same weights: the logits agree to float32 rounding; tests/compile/test_matches_transformers.py) and in
 bfloat16 (its own math; faster at batch 1 on this CPU, slower in batches); each "x HF" there is against the
 faster transformers of the two, column by column.
 With --layouts, decode ms/token per cp x ep layout and the collectives' share of a decode step.
@@ -145,12 +144,10 @@ def eager_engine(art: Path):
     return Engine(m, runner, load_tokenizer(a.root, [t.path for t in m.tokenizer], None))
 
 
-def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, backend: str = "cpu",
-                weight_dtype: str = "auto") -> Path:
+def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, backend: str = "cpu") -> Path:
     from deepinfer.compile.driver import compile_artifact
     from deepinfer.compile.options import CompileOptions
-    compile_artifact(CompileOptions(model=ck, out=out, backend=backend, cp=cp, ep=ep, weight_dtype=weight_dtype,
-                                    decode_buckets=(1, 16),
+    compile_artifact(CompileOptions(model=ck, out=out, backend=backend, cp=cp, ep=ep, decode_buckets=(1, 16),
                                     prefill_buckets=(256,), context_buckets=(128, 256), context_limit=512,
                                     cache_dir=cache), log=lambda s: None)
     return out
@@ -208,7 +205,6 @@ def main() -> None:
              "| first tokens of 16 (ms) | x HF |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in filter(None, args.configs.split(",")):
-        bf16 = name.endswith("-bf16")
         if name == "demo":           # the trained demo model: realistic, balanced routing
             from deepinfer.compile.options import DEMO_MODEL
             ck, cfg = DEMO_MODEL, {"vocab_size": 4096}
@@ -216,7 +212,7 @@ def main() -> None:
             cfg = CONFIGS[name.removesuffix("-bf16")]
             ck = work / f"ck-{name}"
             if not (ck / "config.json").exists():
-                make_checkpoint(ck, seed=0, dtype=torch.bfloat16 if bf16 else torch.float32, **cfg)
+                make_checkpoint(ck, seed=0, dtype=torch.bfloat16 if name.endswith("-bf16") else torch.float32, **cfg)
         from deepinfer.compile.checkpoint import Checkpoint
         bf16 = Checkpoint(ck).stored_matrix_dtype() == "bfloat16"     # the demo model too; compiled as stored
         art = compile_for(ck, work / f"art-{name}", cache)

@@ -59,7 +59,7 @@ def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) 
     if o.dtype not in DTYPE_NAMES:
         raise OptionError(f"--dtype={o.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
     weight_dtype = o.weight_dtype
-    if weight_dtype in (None, "auto"):
+    if weight_dtype == "auto":
         # A bf16 checkpoint on the CPU: keep its matrices bf16 under float32 math (exact, half the memory and
         # the bytes a decode step streams); everything else stores them in --dtype.
         bf16_cpu = o.backend in ("cpu", "eager") and o.dtype == "float32" and stored_dtype == "bfloat16"

@@ -34,7 +34,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """deepinfer::grouped_mm with torch's ops only: torch._grouped_mm where it runs, else a masked loop.
     Weights stored narrower than x (bf16 weights, fp32 math) are widened first."""
-    w = w if w.dtype == x.dtype else w.to(x.dtype)
+    w = w.to(x.dtype)
     key = (x.device.type, x.dtype)
     if key not in _NATIVE_FAILED and hasattr(torch, "_grouped_mm"):
         try:
@@ -64,7 +64,7 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def rows_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return ((w if w.dtype == x.dtype else w.to(x.dtype)) @ x.t()).t().contiguous()
+    return (w.to(x.dtype) @ x.t()).t().contiguous()
 
 
 @rows_linear.register_fake
@@ -140,8 +140,8 @@ def _few_rows_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> bo
 
 
 def _kernel_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """The hand-written kernels take fp32 CPU activations and fp32 or bf16 weights (w: the weight, or the KV
-    pool), where they were built (runtime/cpu_kernels.py)."""
+    """The hand-written kernels take fp32 CPU activations and fp32 or bf16 weights, where they were built
+    (runtime/cpu_kernels.py). The paged attention kernel's pool must be fp32: its caller checks that too."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype not in (torch.float32, torch.bfloat16):
         return False
     from . import cpu_kernels
