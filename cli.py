@@ -69,6 +69,11 @@ def _env_int(name: str) -> int | None:
               help="Storage of the weight matrices. cpu/eager with float32 math may keep them bfloat16: half the "
                    "memory and the bytes a decode step streams. auto: bfloat16 there when the checkpoint stores "
                    "its matrices in bf16 (served exactly), else --dtype.")
+@click.option("--matmul-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="auto: --dtype. cpu/eager with float32 math: bfloat16 rounds the rows of every multi-row product (prefill chunks, decode "
+                   "batches) to bf16 and sums in fp32, against bf16 weights: 2-3x the fp32 FLOP rate where the CPU "
+                   "has bf16 dot products (AVX512-BF16, AMX), a little less exact (like transformers in bf16, "
+                   "with fp32 norms, softmax, residuals and KV). One-row products stay exact.")
 @click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel ranks (KV sharded by block).")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel ranks.")
 @click.option("--decode-buckets", callback=_buckets, default="1,8", show_default=True,
@@ -104,7 +109,7 @@ def _env_int(name: str) -> int | None:
 @click.option("--update-lock", type=click.Path(path_type=Path), default=None,
               help="Write this configuration's hashes into the lock file (a deliberate acceptance).")
 @_errors
-def compile_main(model, out, backend, dtype, weight_dtype, cp, ep, decode_buckets, prefill_buckets, context_buckets,
+def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep, decode_buckets, prefill_buckets, context_buckets,
                  context_limit, block_size, num_kv_blocks, moe_capacity, capacity_factor, moe_decode_path,
                  moe_path, shape_only, device_memory, neuron_target, cache_dir, jobs, keep_going, check_lock, update_lock):
     """Trace and compile a DeepSeek-V3 checkpoint's graphs ahead of time into an artifact directory."""
@@ -116,6 +121,7 @@ def compile_main(model, out, backend, dtype, weight_dtype, cp, ep, decode_bucket
         cache_dir = Path(os.environ["DEEPINFER_CACHE"])
     opts = CompileOptions(
         model=model if model is not None else DEMO_MODEL, out=out, backend=backend, dtype=dtype, weight_dtype=weight_dtype,
+        matmul_dtype=matmul_dtype,
         cp=cp, ep=ep, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
         context_buckets="auto" if context_buckets == "auto" else _buckets(None, None, context_buckets),
         context_limit=context_limit, block_size=block_size, num_kv_blocks=num_kv_blocks, moe_capacity=moe_capacity,

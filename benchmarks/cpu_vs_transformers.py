@@ -10,7 +10,8 @@ A config named NAME-bf16 is NAME's model saved as a bf16 checkpoint (as real one
 too), which we compile as stored (--weight-dtype auto: bf16 weight matrices, float32 math) and transformers
 runs in float32 (the same math on the same weights: the logits agree to float32 rounding; tests/compile/test_matches_transformers.py) and in
 bfloat16 (its own math; faster at batch 1 on this CPU, slower in batches); each "x HF" there is against the
-faster transformers of the two, column by column.
+faster transformers of the two, column by column; a second row of ours compiles them with --matmul-dtype
+bfloat16 (bf16 products, fp32 sums: transformers' bf16 rounding of the operands, fp32 everything else).
 With --layouts, decode ms/token per cp x ep layout and the collectives' share of a decode step.
 Same threads for everyone (torch.get_num_threads()); each figure is the best of 2-4 rounds in which the engines
 take turns (this machine's speed drifts over minutes; turns expose all engines to the same drift). Ratios matter
@@ -144,12 +145,13 @@ def eager_engine(art: Path):
     return Engine(m, runner, load_tokenizer(a.root, [t.path for t in m.tokenizer], None))
 
 
-def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, backend: str = "cpu") -> Path:
+def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, backend: str = "cpu",
+                matmul_dtype: str = "auto") -> Path:
     from deepinfer.compile.driver import compile_artifact
     from deepinfer.compile.options import CompileOptions
     compile_artifact(CompileOptions(model=ck, out=out, backend=backend, cp=cp, ep=ep, decode_buckets=(1, 16),
                                     prefill_buckets=(256,), context_buckets=(128, 256), context_limit=512,
-                                    cache_dir=cache), log=lambda s: None)
+                                    cache_dir=cache, matmul_dtype=matmul_dtype), log=lambda s: None)
     return out
 
 
@@ -186,6 +188,8 @@ def main() -> None:
     ap.add_argument("--configs", default="demo,mid,mid-bf16",
                     help="demo (the trained demo model), small, mid, and any of them + -bf16 (a bf16 checkpoint)")
     ap.add_argument("--layouts", default="", help="e.g. 1x1,2x2,4x4 (cp x ep) for the small config")
+    ap.add_argument("--no-bf16-products", dest="bf16_products", action="store_false",
+                    help="skip the --matmul-dtype bfloat16 row of bf16 checkpoints")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="also write the tables (markdown) to this file")
     args = ap.parse_args()
@@ -222,6 +226,9 @@ def main() -> None:
                 "eager": engine_runs(eager_engine(art), cfg["vocab_size"])}
         if bf16:
             runs["hf16"] = transformers_runs(ck, cfg["vocab_size"], torch.bfloat16)[0]
+            if args.bf16_products:
+                art16 = compile_for(ck, work / f"art-{name}-mm16", cache, matmul_dtype="bfloat16")
+                runs["ours16"] = engine_runs(Engine.from_artifact(art16), cfg["vocab_size"])
         best = interleaved(runs)
         hf, ours, eager = (figures(best[k]) for k in ("hf", "ours", "eager"))
         rows = [("transformers experts=" + impl + (" (fp32)" if bf16 else ""), hf)]
@@ -230,13 +237,14 @@ def main() -> None:
             rows.append(("transformers experts=" + impl + " (bf16)", hf16))
             hf = {k: (min if k in ("decode_ms", "batch_ttft_ms") else max)(hf[k], hf16[k]) for k in hf}
         roof = bench_roofline(ModelConfig.from_file(Path(ck) / "config.json"), bw, flops, 2 if bf16 else 4)
+        extra = [("deepinfer compiled (cpu, --matmul-dtype bfloat16)", figures(best["ours16"]))] if "ours16" in best else []
         for label, r in (*rows, ("deepinfer eager PyTorch", eager),
-                         ("deepinfer compiled (cpu)", ours), ("roofline (this machine)", roof)):
+                         ("deepinfer compiled (cpu)", ours), *extra, ("roofline (this machine)", roof)):
             lines.append(f"| {name} | {label} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / hf['prefill_tok_s']:.2f} "
                          f"| {r['decode_ms']:.2f} | {hf['decode_ms'] / r['decode_ms']:.2f} | {r['batch_tok_s']:.0f} "
                          f"| {r['batch_tok_s'] / hf['batch_tok_s']:.2f} | {r['batch_ttft_ms']:.0f} "
                          f"| {hf['batch_ttft_ms'] / r['batch_ttft_ms']:.2f} |")
-        print("\n".join(lines[-4 - bf16:]), flush=True)
+        print("\n".join(lines[-4 - bf16 - len(extra):]), flush=True)
     if args.layouts:
         from deepinfer.compile.options import DEMO_MODEL
         lines += ["", "| layout (demo model) | world | decode ms/tok (b=1) | decode tok/s (b=16) | collectives share of a decode step |",

@@ -46,6 +46,9 @@ class CompileConfig:
     # The weight matrices' storage dtype where it differs from dtype (CPU: bfloat16 weights, float32 math); None:
     # dtype, and then absent from the JSON, so manifests without it (older ones) keep their bytes and root hash.
     weight_dtype: str | None = field(default=None, metadata={"omit_if_none": True})
+    # --matmul-dtype bfloat16 (CPU, bf16 weights): multi-row products read bf16 operands and sum in fp32 (2-3x the
+    # fp32 FLOP rate on CPUs with bf16 dot products); None: float32 products, absent from the JSON like weight_dtype.
+    matmul_dtype: str | None = field(default=None, metadata={"omit_if_none": True})
 
     @property
     def weights_dtype(self) -> str:

@@ -337,8 +337,8 @@ def _widened_bytes(m: ModelConfig, cc, p: GraphPlan) -> int:
     if not cc.weight_dtype:
         return 0
     s = p.spec
-    big = max((math.prod(w.shape) for w in p.weight_specs if len(w.shape) >= 2 and "experts_" not in w.name),
-              default=0)
+    big = 0 if s.bf16_products else max(   # bf16 products read the bf16 weights as they are
+        (math.prod(w.shape) for w in p.weight_specs if len(w.shape) >= 2 and "experts_" not in w.name), default=0)
     if s.moe_path in ("capacity", "dense") and s.region in ("moe_layer", "moe_dense"):
         big = max(big, 3 * s.local_experts * m.moe_intermediate_size * m.hidden_size)
     return 4 * big
@@ -369,7 +369,8 @@ def _describe(o: CompileOptions, m: ModelConfig, cc, n_graphs: int) -> str:
              f"  out              {o.out}",
              f"  backend          {cc.backend}{' target ' + cc.neuron_target if cc.neuron_target else ''}",
              f"  dtype            {cc.dtype}"
-             + (f" (weight matrices stored {cc.weight_dtype})" if cc.weight_dtype else ""),
+             + (f" (weight matrices stored {cc.weight_dtype})" if cc.weight_dtype else "")
+             + (f", {cc.matmul_dtype} products (multi-row)" if cc.matmul_dtype else ""),
              f"  layout           cp={cc.cp} ep={cc.ep} world={cc.world}",
              f"  decode buckets   {', '.join(map(str, cc.decode_buckets))}",
              f"  prefill buckets  {', '.join(map(str, cc.prefill_buckets)) or '(none)'}",

@@ -24,6 +24,7 @@ class CompileOptions:
     backend: str = "cpu"
     dtype: str = "float32"
     weight_dtype: str = "auto"           # storage of the weight matrices: auto (below), float32, bfloat16
+    matmul_dtype: str = "auto"           # operands of multi-row products: auto (--dtype) or bfloat16 (cpu/eager)
     cp: int = 1
     ep: int = 1
     decode_buckets: tuple[int, ...] = (1, 8)
@@ -58,12 +59,21 @@ def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) 
         raise OptionError(f"--backend={o.backend!r} is not one of {', '.join(BACKENDS)}")
     if o.dtype not in DTYPE_NAMES:
         raise OptionError(f"--dtype={o.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    if o.matmul_dtype not in ("auto", *DTYPE_NAMES):
+        raise OptionError(f"--matmul-dtype={o.matmul_dtype!r} is not one of auto, {', '.join(DTYPE_NAMES)}")
+    matmul_dtype = None if o.matmul_dtype in ("auto", o.dtype) else o.matmul_dtype
+    if matmul_dtype is not None and (o.backend not in ("cpu", "eager") or o.dtype != "float32"
+                                     or o.weight_dtype == "float32"):
+        raise OptionError(f"--matmul-dtype={o.matmul_dtype} with --dtype={o.dtype} --weight-dtype={o.weight_dtype} "
+                          f"--backend={o.backend}: products may differ from --dtype only as bfloat16 products under "
+                          f"float32 math, with bfloat16 weights, on the cpu and eager backends")
     weight_dtype = o.weight_dtype
     if weight_dtype == "auto":
         # A bf16 checkpoint on the CPU: keep its matrices bf16 under float32 math (exact, half the memory and
-        # the bytes a decode step streams); everything else stores them in --dtype.
+        # the bytes a decode step streams); everything else stores them in --dtype. bf16 products read bf16
+        # weights whatever the checkpoint stores.
         bf16_cpu = o.backend in ("cpu", "eager") and o.dtype == "float32" and stored_dtype == "bfloat16"
-        weight_dtype = "bfloat16" if bf16_cpu else o.dtype
+        weight_dtype = "bfloat16" if bf16_cpu or matmul_dtype else o.dtype
     weight_dtype = None if weight_dtype == o.dtype else weight_dtype
     if weight_dtype is not None:
         if weight_dtype not in DTYPE_NAMES:
@@ -158,7 +168,7 @@ def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) 
                          prefill_buckets=prefill, context_buckets=ctx, context_limit=limit,
                          block_size=o.block_size, num_kv_blocks=nkv, moe_capacity=caps, capacity_factor=factor,
                          moe_decode_path=path, moe_path=moe_path, neuron_target=o.neuron_target,
-                         weight_dtype=weight_dtype)
+                         weight_dtype=weight_dtype, matmul_dtype=matmul_dtype)
 
 
 def _buckets(flag: str, values: tuple[int, ...], limit: int) -> tuple[int, ...]:

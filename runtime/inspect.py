@@ -23,7 +23,8 @@ def describe(root: str | Path) -> str:
            f"{mc.num_experts_per_tok} (groups {mc.n_group}/{mc.topk_group}), shared {mc.n_shared_experts}, "
            f"vocab {mc.vocab_size}, rope {mc.rope.rope_type}",
            f"toolchain  {tc.backend} / torch {tc.torch} / python {tc.python} / {tc.target} / {tc.compiler}",
-           f"compile    dtype {cc.dtype}{f' (weight matrices {cc.weight_dtype})' if cc.weight_dtype else ''}, decode buckets {list(cc.decode_buckets)}, prefill buckets "
+           f"compile    dtype {cc.dtype}{f' (weight matrices {cc.weight_dtype})' if cc.weight_dtype else ''}"
+           f"{f', {cc.matmul_dtype} products (multi-row)' if cc.matmul_dtype else ''}, decode buckets {list(cc.decode_buckets)}, prefill buckets "
            f"{list(cc.prefill_buckets)}, moe {cc.moe_path}"
            f"{'' if cc.moe_path == 'grouped' else f' (capacity {list(cc.moe_capacity)})'}, context buckets "
            f"{list(cc.context_buckets)}, limit {cc.context_limit}",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import json
 import shutil
@@ -186,6 +188,10 @@ def test_sharded_checkpoint_index(checkpoints, tmp_path):
     (dict(weight_dtype="float16"), "--weight-dtype='float16' is not one of auto, float32, bfloat16"),
     (dict(weight_dtype="bfloat16", backend="cuda"), "--weight-dtype=bfloat16 with --dtype=float32 --backend=cuda"),
     (dict(weight_dtype="float32", dtype="bfloat16"), "may differ from --dtype only as bfloat16 weights"),
+    (dict(matmul_dtype="float16"), "--matmul-dtype='float16' is not one of auto, float32, bfloat16"),
+    (dict(matmul_dtype="bfloat16", backend="cuda"), "--matmul-dtype=bfloat16 with --dtype=float32 --weight-dtype=auto --backend=cuda"),
+    (dict(matmul_dtype="bfloat16", weight_dtype="float32"), "only as bfloat16 products under float32 math, with bfloat16 weights"),
+    (dict(matmul_dtype="float32", dtype="bfloat16", backend="cuda"), "--matmul-dtype=float32 with --dtype=bfloat16"),
 ])
 def test_bad_options_are_refused(checkpoints, kw, message):
     m = ModelConfig.from_file(checkpoints["base"] / "config.json")
@@ -225,6 +231,30 @@ def test_weight_dtype_resolution(checkpoints):
     assert cc(weight_dtype="float32").weight_dtype is None
     assert cc(backend="cuda", dtype="bfloat16", weight_dtype="bfloat16").weight_dtype is None
     assert cc(weight_dtype="bfloat16").weights_dtype == cc(backend="eager", weight_dtype="bfloat16").weights_dtype == "bfloat16"
+
+
+def test_matmul_dtype_resolution(checkpoints):
+    """--matmul-dtype bfloat16 on cpu/eager takes bf16 weights whatever the checkpoint stores, and is recorded in
+    the manifest (absent when float32, like weight_dtype) and in the lock key; the graphs' specs carry it."""
+    from deepinfer.common import serde
+    from deepinfer.compile.graphs import plan_graphs
+    from deepinfer.compile.lock import lock_key
+    m = ModelConfig.from_file(checkpoints["base"] / "config.json")
+    def cc(stored=None, **kw):
+        return resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128, **kw), m,
+                       stored)
+    plain, bf16 = cc(), cc(matmul_dtype="bfloat16")
+    assert cc(matmul_dtype="float32") == plain and cc(backend="cuda", dtype="bfloat16").matmul_dtype is None
+    assert plain.matmul_dtype is None and "matmul_dtype" not in serde.dumps(plain)
+    assert bf16.matmul_dtype == "bfloat16" and bf16.weight_dtype == "bfloat16"
+    assert cc("bfloat16", matmul_dtype="bfloat16", backend="eager") == dataclasses.replace(bf16, backend="eager")
+    assert '"matmul_dtype": "bfloat16"' in serde.dumps(bf16)
+    assert {p.spec.bf16_products for p in plan_graphs(m, bf16)} == {True}
+    assert {p.spec.bf16_products for p in plan_graphs(m, plain)} == {False}
+    from types import SimpleNamespace
+    from deepinfer.common.manifest import Toolchain  # noqa: F401  (the key reads only name, model, compile)
+    key = lambda c: lock_key(SimpleNamespace(name="x", model=m, compile=c))
+    assert "/matmul=bfloat16" in key(bf16) and "matmul" not in key(plain)
 
 
 def test_stored_matrix_dtype(checkpoints, bf16_checkpoint):

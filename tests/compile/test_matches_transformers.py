@@ -19,13 +19,24 @@ def prompt_of(n: int, seed: int, vocab: int = 320) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("variant", [*VARIANTS, "bf16_weights", "bf16_weights_static"])
+# --matmul-dtype bfloat16: the rows of multi-row products rounded to bf16 and the sums too (norms, softmax, routing,
+# residuals and KV stay fp32). Measured: 1.4e-2 worst over every bucket of this checkpoint; transformers itself in
+# bf16 on the same weights is 0.8e-2 to 3.7e-1 off its float32 (five prompts of 4-125 tokens).
+TOL_BF16_PRODUCTS = 3e-2
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "bf16_weights", "bf16_weights_static", "bf16_products"])
 def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, compile_artifact):
     """Every graph kind against transformers in float32. bf16_weights: a bf16 checkpoint served with bf16
     weight matrices and float32 math, against transformers' float32 on the same (widened) weights: as exact;
     with a 128-token prefill bucket (GEMMs past the small-GEMM rows), and on the static MoE path with a capacity
-    of 2 (every prefill chunk overflows: capacity, dense decode and the dense rerun all meet bf16 weights)."""
-    if variant.startswith("bf16_weights"):
+    of 2 (every prefill chunk overflows: capacity, dense decode and the dense rerun all meet bf16 weights).
+    bf16_products: --matmul-dtype bfloat16, within the bf16 rounding (TOL_BF16_PRODUCTS) and not exact."""
+    if variant == "bf16_products":
+        ck = bf16_checkpoint
+        art = open_artifact(compile_artifact(ck, matmul_dtype="bfloat16", prefill_buckets=(32, 128)))
+        assert art.manifest.compile.matmul_dtype == "bfloat16"
+    elif variant.startswith("bf16_weights"):
         ck = bf16_checkpoint
         static = dict(moe_path="static", moe_capacity=2) if variant.endswith("static") else {}
         art = open_artifact(compile_artifact(ck, weight_dtype="bfloat16", prefill_buckets=(32, 128), **static))
@@ -88,6 +99,9 @@ def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, comp
             got = st.run("prefill", T, C, [(long, bs - 6), *((s, len(s.prompt_ids)) for s in short)])
             for s, g in zip([long, *short], got):
                 worst = max(worst, rel_err(g, hf_logits(hf, s.prompt_ids)[-1]))
+    if variant == "bf16_products":      # bf16 products really ran, and stay as close as the rounding allows
+        assert 1e-5 < worst <= TOL_BF16_PRODUCTS, f"{variant}: worst relative logits error {worst:.2e}"
+        return
     assert worst <= TOL, f"{variant}: worst relative logits error {worst:.2e} > {TOL}"
 
 

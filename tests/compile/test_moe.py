@@ -4,6 +4,7 @@ capacity-grouped == dense when nothing overflows, and an overflow is flagged and
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,10 +217,70 @@ def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype):
     assert torch.count_nonzero(out[start:]) == 0
 
 
+def _has_bf16_dot() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_bf16"))
+
+
+@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9)])
+def test_bf16_dot_kernel_matches(K, N):
+    """The AVX512-BF16 kernel (bf16 rows and weights, fp32 sums) against float64 on the same bf16 values: groups of
+    0-9 rows (tiles of 4 rows and 4 weight rows, every remainder), K not a multiple of 32 (the masked tail), rows
+    in no group zero."""
+    _kernels_or_skip()
+    if not _has_bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16: the dot-product kernel does not run here (the ops widen the rows "
+                    "for the fp32 kernel instead: test_bf16_products_ops)")
+    g = torch.Generator().manual_seed(K + N)
+    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7]
+    M = sum(sizes) + 2
+    x = torch.randn(K, M, generator=g).t().bfloat16()           # not contiguous
+    wt = torch.randn(len(sizes), N, K, generator=g).bfloat16()
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    out = torch.ops.deepinfer_cpu.grouped_rows_mm(x, wt, offs)
+    assert out.dtype == torch.float32
+    ref = torch.zeros(M, N, dtype=torch.float64)
+    start = 0
+    for e, n in enumerate(sizes):
+        ref[start:start + n] = x[start:start + n].double() @ wt[e].double().T
+        start += n
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4 * K ** 0.5 / 8)
+    assert torch.count_nonzero(out[start:]) == 0
+
+
+def test_bf16_products_ops():
+    """--matmul-dtype bfloat16's operands: bf16 rows and weights through deepinfer::grouped_mm and rows_linear
+    take the kernel for few rows (the dot-product kernel, or without AVX512-BF16 the fp32 kernel on the widened
+    rows) and return the fp32 sums rounded to bf16 once; larger groups take one bf16 GEMM per group."""
+    _kernels_or_skip()
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(4, 96, 40, generator=g).bfloat16()          # [G, K, N]
+    for rows, expect in ((20, True), (300, False)):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        offs = torch.tensor([3, rows // 2, rows // 2, rows - 1], dtype=torch.int32)   # an empty group, a row in none
+        out, took = _profiled_grouped_mm(x, w, offs)
+        assert took == expect and out.dtype == torch.bfloat16
+        ref = torch.zeros(rows, 40, dtype=torch.float64)
+        for e, (a, b) in enumerate(zip([0] + offs[:-1].tolist(), offs.tolist())):
+            ref[a:b] = x[a:b].double() @ w[e].double()
+        exact = ref.to(torch.bfloat16).double()                 # the fp32 sums rounded once
+        tol = dict(rtol=0, atol=0) if expect else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(out[:rows - 1].double(), exact[:rows - 1], **tol) if expect else \
+            torch.testing.assert_close(out[:rows - 1].double(), ref[:rows - 1], **tol)
+        assert torch.count_nonzero(out[rows - 1:]) == 0
+    x, w2 = torch.randn(6, 300, generator=g).bfloat16(), torch.randn(50, 300, generator=g).bfloat16()
+    out = torch.ops.deepinfer.rows_linear(x, w2)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), (x.double() @ w2.double().T).to(torch.bfloat16).double(), rtol=0, atol=0)
+
+
 def test_grouped_mm_takes_the_kernel_for_few_rows():
     """deepinfer::grouped_mm routes CPU fp32 groups of at most 64 rows on average to the kernel, larger ones to
     one GEMM per group (a group of a few rows of a big weight with the operands swapped); rows in no group are
-    zero; bf16 never takes the kernel."""
+    zero; bf16 rows past 64 a group take one bf16 GEMM per group too."""
     _kernels_or_skip()
     g = torch.Generator().manual_seed(3)
     w = torch.randn(4, 32, 40, generator=g)                     # [G, K, N]
