@@ -266,15 +266,16 @@ def test_bf16_products_ops():
         ref = torch.zeros(rows, 40, dtype=torch.float64)
         for e, (a, b) in enumerate(zip([0] + offs[:-1].tolist(), offs.tolist())):
             ref[a:b] = x[a:b].double() @ w[e].double()
-        exact = ref.to(torch.bfloat16).double()                 # the fp32 sums rounded once
-        tol = dict(rtol=0, atol=0) if expect else dict(rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(out[:rows - 1].double(), exact[:rows - 1], **tol) if expect else \
-            torch.testing.assert_close(out[:rows - 1].double(), ref[:rows - 1], **tol)
+        # the fp32 sums rounded once: within one bf16 step of the float64 sums rounded (a sum within fp32
+        # rounding of a bf16 tie may round the other way); one bf16 GEMM per group rounds the same way
+        torch.testing.assert_close(out[:rows - 1].double(), ref[:rows - 1].to(torch.bfloat16).double(),
+                                   rtol=2 ** -7, atol=1e-4)
         assert torch.count_nonzero(out[rows - 1:]) == 0
     x, w2 = torch.randn(6, 300, generator=g).bfloat16(), torch.randn(50, 300, generator=g).bfloat16()
     out = torch.ops.deepinfer.rows_linear(x, w2)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), (x.double() @ w2.double().T).to(torch.bfloat16).double(), rtol=0, atol=0)
+    torch.testing.assert_close(out.double(), (x.double() @ w2.double().T).to(torch.bfloat16).double(),
+                               rtol=2 ** -7, atol=1e-4)
 
 
 def test_grouped_mm_takes_the_kernel_for_few_rows():
