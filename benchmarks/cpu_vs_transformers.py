@@ -19,6 +19,7 @@ more than absolute numbers here.
 The roofline row is the best any engine could do on this machine (benchmarks/roofline.py): decode floored by
 reading the step's fp32 weights at the measured copy bandwidth, prefill by its FLOPs at the measured GEMM
 rate (or its weights, whichever is slower); its "x HF" is the largest ratio to transformers physically possible.
+With a bf16-products row, a second roofline takes bf16 weights and the measured bf16 GEMM rate.
 """
 
 from __future__ import annotations
@@ -202,9 +203,10 @@ def main() -> None:
     threads = torch.get_num_threads()
     cpu = torch.device("cpu")
     bw, flops = copy_bandwidth(cpu), gemm_flops(cpu, torch.float32)
+    flops16 = gemm_flops(cpu, torch.bfloat16)       # the bf16-products row's floor (oneDNN's bf16 GEMM)
     lines = [f"threads {threads}, torch {torch.__version__}, prefill {PREFILL_LEN} tokens, decode {DECODE_TOKENS} "
              f"tokens after a 32-token prompt, batch {BATCH}; measured copy bandwidth {bw / 1e9:.1f} GB/s, "
-             f"fp32 GEMM {flops / 1e9:.0f} GFLOP/s", "",
+             f"fp32 GEMM {flops / 1e9:.0f} GFLOP/s, bf16 GEMM {flops16 / 1e9:.0f} GFLOP/s", "",
              "| config | engine | prefill tok/s | x HF | decode ms/tok (b=1) | x HF | decode tok/s (b=16) | x HF "
              "| first tokens of 16 (ms) | x HF |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -238,13 +240,17 @@ def main() -> None:
             hf = {k: (min if k in ("decode_ms", "batch_ttft_ms") else max)(hf[k], hf16[k]) for k in hf}
         roof = bench_roofline(ModelConfig.from_file(Path(ck) / "config.json"), bw, flops, 2 if bf16 else 4)
         extra = [("deepinfer compiled (cpu, --matmul-dtype bfloat16)", figures(best["ours16"]))] if "ours16" in best else []
+        roofs = [("roofline (this machine)", roof)]
+        if extra:
+            roofs.append(("roofline (bf16 products)", bench_roofline(ModelConfig.from_file(Path(ck) / "config.json"),
+                                                                    bw, flops16, 2)))
         for label, r in (*rows, ("deepinfer eager PyTorch", eager),
-                         ("deepinfer compiled (cpu)", ours), *extra, ("roofline (this machine)", roof)):
+                         ("deepinfer compiled (cpu)", ours), *extra, *roofs):
             lines.append(f"| {name} | {label} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / hf['prefill_tok_s']:.2f} "
                          f"| {r['decode_ms']:.2f} | {hf['decode_ms'] / r['decode_ms']:.2f} | {r['batch_tok_s']:.0f} "
                          f"| {r['batch_tok_s'] / hf['batch_tok_s']:.2f} | {r['batch_ttft_ms']:.0f} "
                          f"| {hf['batch_ttft_ms'] / r['batch_ttft_ms']:.2f} |")
-        print("\n".join(lines[-4 - bf16 - len(extra):]), flush=True)
+        print("\n".join(lines[-4 - bf16 - 2 * len(extra):]), flush=True)
     if args.layouts:
         from deepinfer.compile.options import DEMO_MODEL
         lines += ["", "| layout (demo model) | world | decode ms/tok (b=1) | decode tok/s (b=16) | collectives share of a decode step |",
