@@ -226,6 +226,9 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
                        err=True)
     if engine.runner.timer is not None:
         click.echo(engine.runner.timer.table(), err=True)
+    if engine.torchrun:        # every output is written: end without tearing gloo down (see the function)
+        from .runtime.distributed import exit_without_teardown
+        exit_without_teardown(0)
 
 
 def _gib(value: float) -> int:

@@ -289,6 +289,21 @@ def run_follower(art_path: Path, rank: int, world: int, device: str, receive, ac
         runner.run(si)
 
 
+def exit_without_teardown(code: int = 0) -> None:
+    """End a rank's process once its work is done: flush, then leave without the process group's, the
+    interpreter's and C++ static teardown. Under torchrun, tearing down gloo on two ranks that finish together
+    sometimes aborted one of them at exit ("terminate called without an active exception", SIGABRT: 2 of 4 CI
+    runs on 2 loaded cores; with only the follower skipping it, the leader then aborted in 2 of 6 isolated
+    runs), failing the job though every step had run and every output was written. Nothing is left to release
+    that the OS does not: the leader owns the shared memory, results are flushed first."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
 def follower_main() -> None:
     """Entry point of a spawned follower (environment set by `Followers`)."""
     _die_with_parent()
@@ -318,7 +333,7 @@ def follower_main() -> None:
         run_follower(Path(os.environ["DEEPINFER_ARTIFACT"]), rank, world, device, receive, ack)
     except Exception as e:
         print(f"deepinfer follower rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        os._exit(1)
+        exit_without_teardown(1)
     finally:
         shm.close()
-    os._exit(0)
+    exit_without_teardown(0)

@@ -33,6 +33,10 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.followers = followers        # multi-rank: publish(StepInputs | None), check(), close()
+        # torchrun ranks (a BroadcastChannel): the process group stays up until the process ends, and the
+        # callers end the process without teardown once the outputs are out (`distributed.exit_without_teardown`)
+        from .distributed import BroadcastChannel
+        self.torchrun = isinstance(followers, BroadcastChannel)
         cc = manifest.compile
         self.scheduler = Scheduler(SchedulerConfig(
             decode_buckets=cc.decode_buckets, prefill_buckets=cc.prefill_buckets,
@@ -75,7 +79,7 @@ class Engine:
     def _torchrun_leader(cls, art, tok, device, timing, torchrun, **kw) -> "Engine | None":
         import torch.distributed as dist
         from ..common.errors import OptionError
-        from .distributed import BroadcastChannel, claim_device, run_follower
+        from .distributed import BroadcastChannel, claim_device, exit_without_teardown, run_follower
         rank, world = torchrun
         if world != art.manifest.layout.world:
             raise OptionError(f"torchrun started {world} ranks, the artifact's layout needs "
@@ -85,18 +89,18 @@ class Engine:
         channel = BroadcastChannel(art.manifest)
         if rank != 0:
             run_follower(art.root, rank, world, device, channel.receive)
-            dist.destroy_process_group()
+            exit_without_teardown(0)      # the leader said stop: this rank is done (never returns)
             return None
         return cls(art.manifest, make_runner(art, rank=0, device=device, timing=timing), tok, followers=channel,
                    **kw)
 
     def close(self) -> None:
-        """Stop the followers (multi-rank) and leave the process group."""
+        """Stop the followers (multi-rank) and leave the process group (under torchrun: the process's end does)."""
         if self.followers is not None:
             self.followers.close()
             self.followers = None
             import torch.distributed as dist
-            if dist.is_initialized():
+            if dist.is_initialized() and not self.torchrun:
                 dist.destroy_process_group()
 
     # -- requests ---------------------------------------------------------------------------------

@@ -374,3 +374,6 @@ def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_
     if loop.error is not None:
         raise loop.error if isinstance(loop.error, RankFailure) else RankFailure(f"engine failed: {loop.error!r}")
     log.info("stopped")
+    if engine.torchrun:        # end without tearing gloo down (distributed.exit_without_teardown)
+        from .distributed import exit_without_teardown
+        exit_without_teardown(0)
