@@ -111,28 +111,35 @@ inline void weight_rows(const W* w, const float* x, int64_t rows, int64_t K, flo
   }
 }
 
-// The kernel over G groups of x's rows (row ends `ends`, clamped to [0, M]) -> out rows of the groups; rows in
-// no group are left as they are.
-template <typename W>
-void grouped_rows_typed(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends, at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), G = wt.size(0), N = wt.size(1);
-  const float* xp = x.data_ptr<float>();
-  const W* wp = wt.data_ptr<W>();
-  float* outp = out.data_ptr<float>();
+// The parallel tasks over G groups of M rows (row ends `ends`, clamped to [0, M]) and N weight rows, kBlockN weight
+// rows a task: task(g, n0, n1, r0, r1) for each non-empty group. Rows in no group are left as they are.
+template <typename Task>
+void for_each_task(int64_t M, int64_t G, int64_t N, const int64_t* ends, const Task& task) {
   const int64_t blocks = (N + kBlockN - 1) / kBlockN;
   at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t / blocks, n0 = (t % blocks) * kBlockN, n1 = std::min(N, n0 + kBlockN);
       const int64_t r0 = g == 0 ? 0 : std::clamp<int64_t>(ends[g - 1], 0, M);
       const int64_t r1 = std::clamp<int64_t>(ends[g], r0, M);
-      if (r1 == r0) continue;
-      const W* w = wp + g * N * K;
-      const float* xr = xp + r0 * K;
-      float* o = outp + r0 * N;
-      int64_t n = n0;
-      for (; n + kNW <= n1; n += kNW) weight_rows<kNW>(w + n * K, xr, r1 - r0, K, o + n, N);
-      for (; n < n1; ++n) weight_rows<1>(w + n * K, xr, r1 - r0, K, o + n, N);
+      if (r1 > r0) task(g, n0, n1, r0, r1);
     }
+  });
+}
+
+// The fp32-rows kernel over the groups -> out rows of the groups.
+template <typename W>
+void grouped_rows_typed(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), G = wt.size(0), N = wt.size(1);
+  const float* xp = x.data_ptr<float>();
+  const W* wp = wt.data_ptr<W>();
+  float* outp = out.data_ptr<float>();
+  for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
+    const W* w = wp + g * N * K;
+    const float* xr = xp + r0 * K;
+    float* o = outp + r0 * N;
+    int64_t n = n0;
+    for (; n + kNW <= n1; n += kNW) weight_rows<kNW>(w + n * K, xr, r1 - r0, K, o + n, N);
+    for (; n < n1; ++n) weight_rows<1>(w + n * K, xr, r1 - r0, K, o + n, N);
   });
 }
 
@@ -250,14 +257,8 @@ void grouped_rows_bf16(const at::Tensor& x, const at::Tensor& wt, const int64_t*
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wt.data_ptr<at::BFloat16>());
   float* outp = out.data_ptr<float>();
-  const int64_t blocks = (N + kBlockN - 1) / kBlockN;
-  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t g = t / blocks, n0 = (t % blocks) * kBlockN, n1 = std::min(N, n0 + kBlockN);
-      const int64_t r0 = g == 0 ? 0 : std::clamp<int64_t>(ends[g - 1], 0, M);
-      const int64_t r1 = std::clamp<int64_t>(ends[g], r0, M);
-      if (r1 > r0) bf16_task(wp + g * N * K, xp + r0 * K, r1 - r0, K, n0, n1, outp + r0 * N, N);
-    }
+  for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
+    bf16_task(wp + g * N * K, xp + r0 * K, r1 - r0, K, n0, n1, outp + r0 * N, N);
   });
 }
 
@@ -279,6 +280,21 @@ void check_ends(const int64_t* ends, int64_t G, const char* op) {
 // Rows [r1, M) belong to no group: zero them (the kernel writes every other row).
 void zero_tail(at::Tensor& out, int64_t r1) {
   if (r1 < out.size(0)) out.narrow(0, r1, out.size(0) - r1).zero_();
+}
+
+// bf16 products (--matmul-dtype bfloat16) of bf16 rows x [M, K] and weights wt [G, N, K], both contiguous -> the
+// groups' fp32 sums, rounded to bf16 once (rows in no group zero): the dot-product kernel, or without AVX512-BF16
+// the fp32 kernel on the widened rows (exact products of the same bf16 operands).
+at::Tensor bf16_products(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends) {
+  RECORD_FUNCTION("deepinfer_cpu::grouped_rows_mm", std::vector<c10::IValue>());
+  const int64_t M = x.size(0), G = wt.size(0);
+  at::Tensor acc = at::empty({M, wt.size(1)}, x.options().dtype(at::kFloat));
+  if (cpu_has_bf16_dot())
+    grouped_rows_bf16(x, wt, ends, acc);
+  else
+    grouped_rows(x.to(at::kFloat), wt, ends, acc);
+  zero_tail(acc, G ? std::clamp<int64_t>(ends[G - 1], 0, M) : 0);
+  return acc.to(at::kBFloat16);
 }
 
 at::Tensor grouped_rows_mm(const at::Tensor& x_, const at::Tensor& wt_, const at::Tensor& offs_) {
@@ -329,18 +345,8 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x_, const at::Tensor& w, const at::T
   const int64_t last = G ? std::clamp<int64_t>(ends[G - 1], 0, M) : 0;
   at::Tensor out = at::empty({M, N}, x.options());
   const bool few = last <= kMaxRowsPerGroup * G;    // the rows in groups: not padding, not other ranks' pairs
-  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && few) {
-    // bf16 products (--matmul-dtype bfloat16): the dot-product kernel, or without AVX512-BF16 the fp32 kernel
-    // on the widened rows (exact products of the same bf16 operands); fp32 sums, rounded to bf16 once.
-    RECORD_FUNCTION("deepinfer_cpu::grouped_rows_mm", std::vector<c10::IValue>());
-    at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
-    if (cpu_has_bf16_dot())
-      grouped_rows_bf16(x, w.transpose(1, 2).contiguous(), ends, acc);
-    else
-      grouped_rows(x.to(at::kFloat), w.transpose(1, 2).contiguous(), ends, acc);
-    zero_tail(acc, last);
-    return acc.to(at::kBFloat16);
-  }
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && few)
+    return bf16_products(x, w.transpose(1, 2).contiguous(), ends);
   if (kernel_dtypes(x, w) && few) {
     RECORD_FUNCTION("deepinfer_cpu::grouped_rows_mm", std::vector<c10::IValue>());
     grouped_rows(x, w.transpose(1, 2).contiguous(), ends, out);
@@ -367,17 +373,9 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x_, const at::Tensor& w, const at::T
 // deepinfer::rows_linear: F.linear(x [M, K], w [N, K]) for a few rows of a big weight.
 at::Tensor rows_linear_cpu(const at::Tensor& x_, const at::Tensor& w_) {
   TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "rows_linear: x [M, K], w [N, K]");
-  if (x_.scalar_type() == at::kBFloat16 && w_.scalar_type() == at::kBFloat16) {
-    // bf16 products (--matmul-dtype bfloat16): as grouped_mm_cpu, one group
-    RECORD_FUNCTION("deepinfer_cpu::grouped_rows_mm", std::vector<c10::IValue>());
-    const at::Tensor x = x_.contiguous(), w = w_.contiguous();
-    at::Tensor acc = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
-    const int64_t ends[1] = {x.size(0)};
-    if (cpu_has_bf16_dot())
-      grouped_rows_bf16(x, w.unsqueeze(0), ends, acc);
-    else
-      grouped_rows(x.to(at::kFloat), w.unsqueeze(0), ends, acc);
-    return acc.to(at::kBFloat16);
+  if (x_.scalar_type() == at::kBFloat16 && w_.scalar_type() == at::kBFloat16) {    // bf16 products: one group
+    const int64_t ends[1] = {x_.size(0)};
+    return bf16_products(x_.contiguous(), w_.contiguous().unsqueeze(0), ends);
   }
   if (!kernel_dtypes(x_, w_)) return at::mm(as_compute(w_, x_), x_.t()).t().contiguous();
   RECORD_FUNCTION("deepinfer_cpu::grouped_rows_mm", std::vector<c10::IValue>());
