@@ -18,6 +18,10 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -37,7 +41,7 @@ constexpr int64_t kBlockN = 48;   // weight rows per parallel task
 // groups, weights out of cache) at 14-17 GB/s; with this, in the same runs, 17-21 GB/s (3-16K floats ahead all
 // alike; 1K or less no gain). Prefetching along each row instead, wrapping into the same row of the next tile,
 // was no better (0.93-1.10x at K = 512, 1024, 2048). Not for one-row groups, whose loop is load-bound already:
-// there it cost 5-8%.
+// there it cost 5-8% (AVX2; the AVX-512 form below prefetches them, measured faster).
 // Into L2 (T1), not L1: on a 2-core Zen 4 VM, weights out of cache (ten layers' experts in turn), the `mid` experts
 // at 64 rows over 16 groups ran 1.3x (gate-up, K = 1024) and 1.5-1.8x (down, K = 512) faster, fp32 and bf16 rows
 // alike, and the 16384 x 1024 head at 2-16 rows 1.0-1.4x (three interleaved runs each): an L1 prefetch holds
@@ -113,16 +117,51 @@ inline void weight_rows(const W* w, const float* x, int64_t rows, int64_t K, flo
 
 // The parallel tasks over G groups of M rows (row ends `ends`, clamped to [0, M]) and N weight rows, kBlockN weight
 // rows a task: task(g, n0, n1, r0, r1) for each non-empty group. Rows in no group are left as they are.
+// The threads take contiguous runs of tasks of equal estimated work, not of equal task counts: groups differ in
+// rows (routing is uneven), and at tens of rows a group the work is the rows' FLOPs. A task's estimate is its
+// weight rows x (its rows + kStreamRows), kStreamRows the rows' worth of FLOPs that streaming a weight row from
+// memory costs (a one-row group is memory-bound).
+constexpr int64_t kStreamRows = 8;
+
 template <typename Task>
 void for_each_task(int64_t M, int64_t G, int64_t N, const int64_t* ends, const Task& task) {
-  const int64_t blocks = (N + kBlockN - 1) / kBlockN;
-  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = (N + kBlockN - 1) / kBlockN, tasks = G * blocks;
+  const auto rows_of = [&](int64_t g, int64_t* r0, int64_t* r1) {
+    *r0 = g == 0 ? 0 : std::clamp<int64_t>(ends[g - 1], 0, M);
+    *r1 = std::clamp<int64_t>(ends[g], *r0, M);
+  };
+  const auto run = [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t / blocks, n0 = (t % blocks) * kBlockN, n1 = std::min(N, n0 + kBlockN);
-      const int64_t r0 = g == 0 ? 0 : std::clamp<int64_t>(ends[g - 1], 0, M);
-      const int64_t r1 = std::clamp<int64_t>(ends[g], r0, M);
+      int64_t r0, r1;
+      rows_of(g, &r0, &r1);
       if (r1 > r0) task(g, n0, n1, r0, r1);
     }
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    run(0, tasks);
+    return;
+  }
+  // Work of each group's tasks (all alike but the last, shorter one), then the cut points of equal work.
+  std::vector<int64_t> cut(threads + 1, tasks);
+  cut[0] = 0;
+  int64_t total = 0;
+  std::vector<int64_t> rows(G);
+  for (int64_t g = 0; g < G; ++g) {
+    int64_t r0, r1;
+    rows_of(g, &r0, &r1);
+    rows[g] = r1 - r0;
+    if (rows[g] > 0) total += N * (rows[g] + kStreamRows);
+  }
+  int64_t done = 0, next = 1;
+  for (int64_t t = 0; t < tasks && next < threads; ++t) {
+    const int64_t g = t / blocks, n0 = (t % blocks) * kBlockN, n1 = std::min(N, n0 + kBlockN);
+    if (rows[g] > 0) done += (n1 - n0) * (rows[g] + kStreamRows);
+    while (next < threads && done * threads >= total * next) cut[next++] = t + 1;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) run(cut[i], cut[i + 1]);
   });
 }
 
@@ -143,12 +182,153 @@ void grouped_rows_typed(const at::Tensor& x, const at::Tensor& wt, const int64_t
   });
 }
 
+// ---- the same kernel with AVX-512 (fp32 math): 16-lane vectors, tiles of 4 weight rows x 6 rows ----
+//
+// Taken where the CPU has AVX-512 (compiled function by function with a target attribute, like the bf16 kernel
+// below, so the library still loads on AVX2-only CPUs; DEEPINFER_CPU_AVX512=0 or deepinfer_cpu::allow_avx512
+// keep the AVX2 kernel). 32 registers hold twice the AVX2 tile's accumulators for the same loads, and every
+// first pass over a weight prefetches it, one-row groups included. On a 2-core Zen 4 VM, against the AVX2 kernel
+// (both with the work-balanced tasks of for_each_task): `mid` experts at 1024 rows over 16 groups (a 256-token
+// prefill chunk, compute-bound) 140-151 -> 164-176 GFLOP/s (K = 1024) and 137-167 -> 161-176 (K = 512), where
+// one 1024 x 1024 x 1024 MKL sgemm runs 182-195; bf16 weights at 4-64 rows over 16 groups (decode, weights out
+// of cache) 1.3-1.9x; fp32 weights at 4 rows 1.1-1.2x, 16-64 rows alike; the 16384 x 1024 head at one row
+// 1.15x (fp32) and 1.5-1.9x (bf16), at 16 rows 1.15-1.2x. The one-row prefetch alone made bf16 weights at 4 rows
+// over 16 groups 0.40 -> 0.26 ms (31 GB/s), where the AVX2 kernel's measurements (T0 prefetch) had it cost 5-8%.
+#define DEEPINFER_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+std::atomic<bool> g_allow_avx512{[] {
+  const char* v = std::getenv("DEEPINFER_CPU_AVX512");
+  return v == nullptr || std::string(v) != "0";
+}()};
+
+bool cpu_has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+
+bool use_avx512() { return cpu_has_avx512() && g_allow_avx512.load(std::memory_order_relaxed); }
+
+// 4 x 6 accumulators + 4 weight vectors + 1 row vector of the 32 registers. (6 x 4 and 3 x 8 ran at 66 and 88
+// GFLOP/s on the prefill shapes above: GCC spilled.)
+constexpr int kNW5 = 4;   // weight rows per register tile
+constexpr int kR5 = 6;    // activation rows per register tile
+
+DEEPINFER_AVX512_TARGET inline __m512 wload512(const float* p) { return _mm512_loadu_ps(p); }
+DEEPINFER_AVX512_TARGET inline __m512 wload512(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+DEEPINFER_AVX512_TARGET inline __m512 wload512_tail(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+DEEPINFER_AVX512_TARGET inline __m512 wload512_tail(const at::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Sixteen-lane accumulators acc[0..NA) -> their horizontal sums in sums[0..NA) (halved to eight lanes, then the
+// AVX2 hadd tree eight at a time).
+template <int NA>
+DEEPINFER_AVX512_TARGET inline void hsums512(const __m512* acc, float* sums) {
+#pragma GCC unroll 4
+  for (int c = 0; c < (NA + 7) / 8; ++c) {
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const int q = c * 8 + t;
+      a[t] = q < NA ? _mm256_add_ps(_mm512_castps512_ps256(acc[q]), _mm512_extractf32x8_ps(acc[q], 1))
+                    : _mm256_setzero_ps();
+    }
+    _mm256_store_ps(sums + 8 * c, deepinfer_simd::hsum8(a));
+  }
+}
+
+template <int NW, int R, bool PF, typename W>
+DEEPINFER_AVX512_TARGET inline void tile512(const W* w, const float* x, int64_t K, float* out, int64_t ldo) {
+  constexpr int64_t kAhead = kPrefetchBytes / sizeof(W), kStep = 64 / sizeof(W);
+  __m512 acc[NW * R];
+#pragma GCC unroll 24
+  for (int t = 0; t < NW * R; ++t) acc[t] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NW];
+#pragma GCC unroll 4
+    for (int i = 0; i < NW; ++i) wv[i] = wload512(w + i * K + k);
+    if (PF && (k & (kStep - 1)) == 0) {
+#pragma GCC unroll 4
+      for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kAhead), _MM_HINT_T1);
+    }
+#pragma GCC unroll 6
+    for (int j = 0; j < R; ++j) {
+      const __m512 xv = _mm512_loadu_ps(x + j * K + k);
+#pragma GCC unroll 4
+      for (int i = 0; i < NW; ++i) acc[i * R + j] = _mm512_fmadd_ps(wv[i], xv, acc[i * R + j]);
+    }
+  }
+  if (k < K) {                               // the tail, masked (zeros add nothing)
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[NW];
+#pragma GCC unroll 4
+    for (int i = 0; i < NW; ++i) wv[i] = wload512_tail(w + i * K + k, m);
+#pragma GCC unroll 6
+    for (int j = 0; j < R; ++j) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + j * K + k);
+#pragma GCC unroll 4
+      for (int i = 0; i < NW; ++i) acc[i * R + j] = _mm512_fmadd_ps(wv[i], xv, acc[i * R + j]);
+    }
+  }
+  alignas(32) float sums[(NW * R + 7) / 8 * 8];
+  hsums512<NW * R>(acc, sums);
+  for (int i = 0; i < NW; ++i)
+    for (int j = 0; j < R; ++j) out[j * ldo + i] = sums[i * R + j];
+}
+
+template <int NW, typename W>
+DEEPINFER_AVX512_TARGET inline void weight_rows512(const W* w, const float* x, int64_t rows, int64_t K, float* out,
+                                                   int64_t ldo) {
+  int64_t r = 0;
+  if (rows >= kR5) {
+    tile512<NW, kR5, true>(w, x, K, out, ldo);
+    for (r = kR5; r + kR5 <= rows; r += kR5) tile512<NW, kR5, false>(w, x + r * K, K, out + r * ldo, ldo);
+  }
+  const bool first = r == 0;
+  const float* xr = x + r * K;
+  float* o = out + r * ldo;
+  switch (rows - r) {
+    case 5: first ? tile512<NW, 5, true>(w, xr, K, o, ldo) : tile512<NW, 5, false>(w, xr, K, o, ldo); break;
+    case 4: first ? tile512<NW, 4, true>(w, xr, K, o, ldo) : tile512<NW, 4, false>(w, xr, K, o, ldo); break;
+    case 3: first ? tile512<NW, 3, true>(w, xr, K, o, ldo) : tile512<NW, 3, false>(w, xr, K, o, ldo); break;
+    case 2: first ? tile512<NW, 2, true>(w, xr, K, o, ldo) : tile512<NW, 2, false>(w, xr, K, o, ldo); break;
+    case 1: first ? tile512<NW, 1, true>(w, xr, K, o, ldo) : tile512<NW, 1, false>(w, xr, K, o, ldo); break;
+    default: break;
+  }
+}
+
+template <typename W>
+DEEPINFER_AVX512_TARGET void task512(const W* w, const float* xr, int64_t rows, int64_t K, int64_t n0, int64_t n1,
+                                     float* o, int64_t N) {
+  int64_t n = n0;
+  for (; n + kNW5 <= n1; n += kNW5) weight_rows512<kNW5>(w + n * K, xr, rows, K, o + n, N);
+  for (; n < n1; ++n) weight_rows512<1>(w + n * K, xr, rows, K, o + n, N);
+}
+
+template <typename W>
+void grouped_rows_typed512(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), G = wt.size(0), N = wt.size(1);
+  const float* xp = x.data_ptr<float>();
+  const W* wp = wt.data_ptr<W>();
+  float* outp = out.data_ptr<float>();
+  for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
+    task512(wp + g * N * K, xp + r0 * K, r1 - r0, K, n0, n1, outp + r0 * N, N);
+  });
+}
+
 // x fp32 [M, K], wt [G, N, K] fp32 or bf16, both contiguous.
 void grouped_rows(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends, at::Tensor& out) {
-  if (wt.scalar_type() == at::kBFloat16)
-    grouped_rows_typed<at::BFloat16>(x, wt, ends, out);
+  const bool bf16 = wt.scalar_type() == at::kBFloat16;
+  if (use_avx512())
+    bf16 ? grouped_rows_typed512<at::BFloat16>(x, wt, ends, out) : grouped_rows_typed512<float>(x, wt, ends, out);
   else
-    grouped_rows_typed<float>(x, wt, ends, out);
+    bf16 ? grouped_rows_typed<at::BFloat16>(x, wt, ends, out) : grouped_rows_typed<float>(x, wt, ends, out);
 }
 
 // ---- bf16 rows x bf16 weights with AVX512-BF16 dot products (--matmul-dtype bfloat16) ----
@@ -204,24 +384,8 @@ DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x
       for (int i = 0; i < NW; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)wv[i], (__m512bh)xv);
     }
   }
-  // Horizontal sums: 16-lane vectors halved into 8-lane ones, then the AVX2 hadd tree eight at a time.
-  constexpr int NA = NW * R, NC = (NA + 7) / 8;
-  alignas(32) float sums[NC * 8];
-#pragma GCC unroll 2
-  for (int c = 0; c < NC; ++c) {
-    __m256 a[8];
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
-      const int q = c * 8 + t;
-      if (q < NA) {
-        const __m512 v = acc[q / R][q % R];
-        a[t] = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-      } else {
-        a[t] = _mm256_setzero_ps();
-      }
-    }
-    _mm256_store_ps(sums + 8 * c, deepinfer_simd::hsum8(a));
-  }
+  alignas(32) float sums[(NW * R + 7) / 8 * 8];
+  hsums512<NW * R>(&acc[0][0], sums);
   for (int i = 0; i < NW; ++i)
     for (int j = 0; j < R; ++j) out[j * ldo + i] = sums[i * R + j];
 }
@@ -386,15 +550,24 @@ at::Tensor rows_linear_cpu(const at::Tensor& x_, const at::Tensor& w_) {
   return out;
 }
 
+// deepinfer_cpu::allow_avx512(allow): whether the fp32 kernel may take its AVX-512 form (where the CPU has it;
+// the default unless DEEPINFER_CPU_AVX512=0). Returns whether it takes it from now on. Tests run both forms.
+bool allow_avx512(bool allow) {
+  g_allow_avx512.store(allow);
+  return use_avx512();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("grouped_rows_mm(Tensor x, Tensor wt, Tensor offs) -> Tensor");
+  m.def("allow_avx512(bool allow) -> bool", allow_avx512);
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("grouped_rows_mm", grouped_rows_mm);
 }
+
 
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
   m.impl("grouped_mm", grouped_mm_cpu);

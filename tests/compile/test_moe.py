@@ -193,16 +193,27 @@ def _kernels_or_skip():
         pytest.skip(reason)
 
 
-@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7)])
+@pytest.fixture(params=["avx2", "avx512"])
+def kernel_isa(request):
+    """The fp32 kernel's two forms: AVX2 everywhere it runs, AVX-512 where the CPU has it (the default there)."""
+    _kernels_or_skip()
+    if not torch.ops.deepinfer_cpu.allow_avx512(request.param == "avx512") and request.param == "avx512":
+        torch.ops.deepinfer_cpu.allow_avx512(True)
+        pytest.skip("this CPU has no AVX-512: the fp32 kernel's AVX-512 form does not run here")
+    yield request.param
+    torch.ops.deepinfer_cpu.allow_avx512(True)
+
+
+@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9)])
 @pytest.mark.parametrize("offs_dtype,wdtype", [(torch.int32, torch.float32), (torch.int64, torch.float32),
                                                (torch.int32, torch.bfloat16)])
-def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype):
-    """The CPU few-rows kernel against per-group matmuls in float64: groups of 0-9 rows (register tiles of 4
-    rows and 3 weight rows, with every remainder), K not a multiple of the vector width, rows in no group;
-    fp32 weights and bf16 ones (widened exactly: the reference is the same bf16 values in float64)."""
-    _kernels_or_skip()
+def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype, kernel_isa):
+    """The CPU few-rows kernel against per-group matmuls in float64, in both its forms: groups of 0-17 rows
+    (register tiles of 4 rows x 3 weight rows (AVX2) and 6 rows x 4 weight rows (AVX-512), with every remainder),
+    K not a multiple of the vector width, rows in no group; fp32 weights and bf16 ones (widened exactly: the
+    reference is the same bf16 values in float64)."""
     g = torch.Generator().manual_seed(K * N)
-    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7]
+    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7, 11, 12, 13, 17]
     M = sum(sizes) + 2
     x = torch.randn(K, M, generator=g).t()                      # not contiguous
     wt = torch.randn(len(sizes), N, K, generator=g).to(wdtype)
@@ -213,8 +224,33 @@ def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype):
     for e, n in enumerate(sizes):
         ref[start:start + n] = x[start:start + n].double() @ wt[e].double().T
         start += n
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4 * max(1.0, K ** 0.5 / 8))
     assert torch.count_nonzero(out[start:]) == 0
+
+
+def test_kernel_tasks_balance_uneven_groups(kernel_isa):
+    """The threads split the kernel's tasks by work, not by count: groups of very different sizes (one holding
+    most rows, empty ones between) give the same sums with one thread and with several."""
+    g = torch.Generator().manual_seed(11)
+    sizes = [200, 0, 1, 0, 0, 3, 40, 0]
+    x = torch.randn(sum(sizes) + 5, 96, generator=g)
+    wt = torch.randn(len(sizes), 200, 96, generator=g)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.deepinfer_cpu.grouped_rows_mm(x, wt, offs)
+        torch.set_num_threads(max(2, threads))
+        many = torch.ops.deepinfer_cpu.grouped_rows_mm(x, wt, offs)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    ref = torch.zeros_like(one, dtype=torch.float64)
+    start = 0
+    for e, n in enumerate(sizes):
+        ref[start:start + n] = x[start:start + n].double() @ wt[e].double().T
+        start += n
+    torch.testing.assert_close(one.double(), ref, rtol=1e-5, atol=1e-4)
 
 
 def _has_bf16_dot() -> bool:
