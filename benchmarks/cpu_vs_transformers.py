@@ -17,8 +17,9 @@ Same threads for everyone (torch.get_num_threads()); each figure is the best of 
 take turns (this machine's speed drifts over minutes; turns expose all engines to the same drift). Ratios matter
 more than absolute numbers here.
 The roofline row is the best any engine could do on this machine (benchmarks/roofline.py): decode floored by
-reading the step's fp32 weights at the measured copy bandwidth, prefill by its FLOPs at the measured GEMM
-rate (or its weights, whichever is slower); its "x HF" is the largest ratio to transformers physically possible.
+reading the step's fp32 weights at the copy bandwidth, prefill by its FLOPs at the GEMM rate (or its weights,
+whichever is slower), both the best measured in the run (before and after each config); its "x HF" is the
+largest ratio to transformers physically possible.
 With a bf16-products row, a second roofline takes bf16 weights and the measured bf16 GEMM rate.
 """
 
@@ -200,16 +201,18 @@ def main() -> None:
     cache = work / "cache"
     from roofline import copy_bandwidth, gemm_flops
     from deepinfer.common.model_config import ModelConfig
-    threads = torch.get_num_threads()
     cpu = torch.device("cpu")
-    bw, flops = copy_bandwidth(cpu), gemm_flops(cpu, torch.float32)
-    flops16 = gemm_flops(cpu, torch.bfloat16)       # the bf16-products row's floor (oneDNN's bf16 GEMM)
-    lines = [f"threads {threads}, torch {torch.__version__}, prefill {PREFILL_LEN} tokens, decode {DECODE_TOKENS} "
-             f"tokens after a 32-token prompt, batch {BATCH}; measured copy bandwidth {bw / 1e9:.1f} GB/s, "
-             f"fp32 GEMM {flops / 1e9:.0f} GFLOP/s, bf16 GEMM {flops16 / 1e9:.0f} GFLOP/s", "",
-             "| config | engine | prefill tok/s | x HF | decode ms/tok (b=1) | x HF | decode tok/s (b=16) | x HF "
-             "| first tokens of 16 (ms) | x HF |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    # The machine's peaks, measured before and after each config's runs; the rooflines take the best seen in the
+    # whole run (this machine's speed drifts by tens of percent: one measurement at the start once put the
+    # "roofline" below what the engines had just done).
+    peaks = {"bw": 0.0, "flops": 0.0, "flops16": 0.0}
+
+    def measure_peaks() -> None:
+        peaks["bw"] = max(peaks["bw"], copy_bandwidth(cpu))
+        peaks["flops"] = max(peaks["flops"], gemm_flops(cpu, torch.float32, repeat=5))
+        peaks["flops16"] = max(peaks["flops16"], gemm_flops(cpu, torch.bfloat16, repeat=5))   # oneDNN's bf16 GEMM
+    measure_peaks()
+    table = []          # per config: (name, its engines' rows, the faster transformers' figures, its rooflines)
     for name in filter(None, args.configs.split(",")):
         if name == "demo":           # the trained demo model: realistic, balanced routing
             from deepinfer.compile.options import DEMO_MODEL
@@ -238,19 +241,31 @@ def main() -> None:
             hf16 = figures(best["hf16"])
             rows.append(("transformers experts=" + impl + " (bf16)", hf16))
             hf = {k: (min if k in ("decode_ms", "batch_ttft_ms") else max)(hf[k], hf16[k]) for k in hf}
-        roof = bench_roofline(ModelConfig.from_file(Path(ck) / "config.json"), bw, flops, 2 if bf16 else 4)
+        mc = ModelConfig.from_file(Path(ck) / "config.json")
         extra = [("deepinfer compiled (cpu, --matmul-dtype bfloat16)", figures(best["ours16"]))] if "ours16" in best else []
-        roofs = [("roofline (this machine)", roof)]
-        if extra:
-            roofs.append(("roofline (bf16 products)", bench_roofline(ModelConfig.from_file(Path(ck) / "config.json"),
-                                                                    bw, flops16, 2)))
-        for label, r in (*rows, ("deepinfer eager PyTorch", eager),
-                         ("deepinfer compiled (cpu)", ours), *extra, *roofs):
+
+        def roofs(mc=mc, bf16=bf16, extra=extra) -> list[tuple[str, dict]]:
+            out = [("roofline (this machine)", bench_roofline(mc, peaks["bw"], peaks["flops"], 2 if bf16 else 4))]
+            if extra:
+                out.append(("roofline (bf16 products)", bench_roofline(mc, peaks["bw"], peaks["flops16"], 2)))
+            return out
+        table.append((name, [*rows, ("deepinfer eager PyTorch", eager), ("deepinfer compiled (cpu)", ours), *extra],
+                      hf, roofs))
+        measure_peaks()
+        print(f"{name}: measured", flush=True)
+    lines = [f"threads {torch.get_num_threads()}, torch {torch.__version__}, prefill {PREFILL_LEN} tokens, decode "
+             f"{DECODE_TOKENS} tokens after a 32-token prompt, batch {BATCH}; machine peaks (best seen in this run): "
+             f"copy bandwidth {peaks['bw'] / 1e9:.1f} GB/s, fp32 GEMM {peaks['flops'] / 1e9:.0f} GFLOP/s, bf16 GEMM "
+             f"{peaks['flops16'] / 1e9:.0f} GFLOP/s", "",
+             "| config | engine | prefill tok/s | x HF | decode ms/tok (b=1) | x HF | decode tok/s (b=16) | x HF "
+             "| first tokens of 16 (ms) | x HF |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, engines, hf, roofs in table:
+        for label, r in (*engines, *roofs()):
             lines.append(f"| {name} | {label} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / hf['prefill_tok_s']:.2f} "
                          f"| {r['decode_ms']:.2f} | {hf['decode_ms'] / r['decode_ms']:.2f} | {r['batch_tok_s']:.0f} "
                          f"| {r['batch_tok_s'] / hf['batch_tok_s']:.2f} | {r['batch_ttft_ms']:.0f} "
                          f"| {hf['batch_ttft_ms'] / r['batch_ttft_ms']:.2f} |")
-        print("\n".join(lines[-4 - bf16 - 2 * len(extra):]), flush=True)
     if args.layouts:
         from deepinfer.compile.options import DEMO_MODEL
         lines += ["", "| layout (demo model) | world | decode ms/tok (b=1) | decode tok/s (b=16) | collectives share of a decode step |",
