@@ -150,16 +150,18 @@ def linear(spec: RegionSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     streaming the weight (weights 0.5-64 MB, out of cache: 19-25 GB/s where MKL reads 13-18). 2..M rows:
     (w @ x.T).T, the few rows becoming the narrow side (1.3-3x faster at M = 4..64); from ROWS_LINEAR_MIN_WEIGHT
     weight elements up, `deepinfer::rows_linear`, the hand-written kernel where it runs (1.3-1.9x faster again).
-    At M = 256 the plain form is as fast, so prefill chunks keep it. On the `mid` benchmark model (2 threads):
+    More rows (prefill chunks): F.linear, or from ROWS_LINEAR_MIN_WEIGHT up `rows_linear` too, which takes the
+    kernel where its AVX-512 form runs (1.05-1.15x MKL at 256 rows, and bf16 weights widen in registers instead
+    of in a copy) and MKL's F.linear elsewhere. On the `mid` benchmark model (2 threads):
     decode at batch 1 26-29 -> 18-19 ms/token, at batch 16 the dense layer 11.3 -> 7.3 ms and the head
     19.2 -> 11.4 ms (before rows_linear)."""
     if x.shape[0] == 1 and spec.small_gemm_rows:
         return (as_compute(w, x) * x).sum(-1)[None]
     if spec.bf16_products and x.shape[0] > 1 and w.dtype == torch.bfloat16:
         return bf16_linear(spec, x, w)
+    if spec.small_gemm_rows and w.numel() >= ROWS_LINEAR_MIN_WEIGHT:
+        return torch.ops.deepinfer.rows_linear(x, w)
     if 1 < x.shape[0] <= spec.small_gemm_rows:
-        if w.numel() >= ROWS_LINEAR_MIN_WEIGHT:
-            return torch.ops.deepinfer.rows_linear(x, w)
         return (as_compute(w, x) @ x.t()).t()
     return F.linear(x, as_compute(w, x))
 

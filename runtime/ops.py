@@ -53,18 +53,21 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
 
 @torch.library.custom_op("deepinfer::rows_linear", mutates_args=())
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) for a few rows x [M, K] and a big weight w [N, K]: what CPU graphs call for 2..64 rows of
-    a weight of at least ROWS_LINEAR_MIN_WEIGHT elements (`compile.model.linear`). The CPU kernel as one group
-    where it runs (1.3-1.9x faster than MKL's (w @ x.T).T at 4-16 rows on the `mid` model's projections, head
-    and MLP; 1.25x on the demo model's head at 16 rows), (w @ x.T).T elsewhere."""
-    if _kernel_runs(x, w):
+    """F.linear(x, w) for rows x [M, K] and a big weight w [N, K]: what CPU graphs call for 2+ rows of a weight
+    of at least ROWS_LINEAR_MIN_WEIGHT elements (`compile.model.linear`). The CPU kernel as one group for up to
+    KERNEL_MAX_ROWS_PER_GROUP rows (1.3-1.9x faster than MKL's (w @ x.T).T at 4-16 rows on the `mid` model's
+    projections, head and MLP; 1.25x on the demo model's head at 16 rows), and for more where its AVX-512 form
+    runs (1.05-1.15x MKL at 256 rows); (w @ x.T).T for a few rows and F.linear for more elsewhere."""
+    few = x.shape[0] <= KERNEL_MAX_ROWS_PER_GROUP
+    if _kernel_runs(x, w) and (few or torch.ops.deepinfer_cpu.avx512_form()):
         offs = torch.full((1,), x.shape[0], dtype=torch.int32)
         return torch.ops.deepinfer_cpu.grouped_rows_mm(x, w[None], offs)
     return rows_linear_torch(x, w)
 
 
 def rows_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (w.to(x.dtype) @ x.t()).t().contiguous()
+    w = w.to(x.dtype)
+    return (w @ x.t()).t().contiguous() if x.shape[0] <= KERNEL_MAX_ROWS_PER_GROUP else torch.nn.functional.linear(x, w)
 
 
 @rows_linear.register_fake
@@ -135,8 +138,12 @@ def _few_rows_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> bo
     prefetches): `mid` gate-up / down at 32 rows a group 1.6-1.9x / 1.4-1.8x, at 64 rows 1.4-1.5x / 1.2-1.5x,
     at 128 rows 0.99x; the demo model's at 64 rows 1.1-1.2x, at 128 0.8-1.1x; V2-Lite-size experts (K = 2048,
     1408) and K = 4096 at 64 rows 1.1-1.2x, at 96 rows 1.02-1.04x. So a 256-token prefill chunk's
-    experts (64 rows a group on `mid`) take it too; bigger groups keep MKL's blocking."""
-    return _kernel_runs(x, w) and (w.shape[0] == 0 or int(offs[-1]) <= KERNEL_MAX_ROWS_PER_GROUP * w.shape[0])
+    experts (64 rows a group on `mid`) take it too; bigger groups keep MKL's blocking, except where the kernel's
+    AVX-512 form runs (L2-blocked: on a Zen 4 VM `mid` experts at 128 and 256 rows a group 1.16-1.36x MKL)."""
+    if not _kernel_runs(x, w):
+        return False
+    few = w.shape[0] == 0 or int(offs[-1]) <= KERNEL_MAX_ROWS_PER_GROUP * w.shape[0]
+    return few or torch.ops.deepinfer_cpu.avx512_form()
 
 
 def _kernel_runs(x: torch.Tensor, w: torch.Tensor) -> bool:

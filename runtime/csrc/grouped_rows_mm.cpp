@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -115,7 +116,7 @@ inline void weight_rows(const W* w, const float* x, int64_t rows, int64_t K, flo
   }
 }
 
-// The parallel tasks over G groups of M rows (row ends `ends`, clamped to [0, M]) and N weight rows, kBlockN weight
+// The parallel tasks over G groups of M rows (row ends `ends`, clamped to [0, M]) and N weight rows, block_n weight
 // rows a task: task(g, n0, n1, r0, r1) for each non-empty group. Rows in no group are left as they are.
 // The threads take contiguous runs of tasks of equal estimated work, not of equal task counts: groups differ in
 // rows (routing is uneven), and at tens of rows a group the work is the rows' FLOPs. A task's estimate is its
@@ -124,15 +125,15 @@ inline void weight_rows(const W* w, const float* x, int64_t rows, int64_t K, flo
 constexpr int64_t kStreamRows = 8;
 
 template <typename Task>
-void for_each_task(int64_t M, int64_t G, int64_t N, const int64_t* ends, const Task& task) {
-  const int64_t blocks = (N + kBlockN - 1) / kBlockN, tasks = G * blocks;
+void for_each_task(int64_t M, int64_t G, int64_t N, const int64_t* ends, const Task& task, int64_t block_n = kBlockN) {
+  const int64_t blocks = (N + block_n - 1) / block_n, tasks = G * blocks;
   const auto rows_of = [&](int64_t g, int64_t* r0, int64_t* r1) {
     *r0 = g == 0 ? 0 : std::clamp<int64_t>(ends[g - 1], 0, M);
     *r1 = std::clamp<int64_t>(ends[g], *r0, M);
   };
   const auto run = [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t g = t / blocks, n0 = (t % blocks) * kBlockN, n1 = std::min(N, n0 + kBlockN);
+      const int64_t g = t / blocks, n0 = (t % blocks) * block_n, n1 = std::min(N, n0 + block_n);
       int64_t r0, r1;
       rows_of(g, &r0, &r1);
       if (r1 > r0) task(g, n0, n1, r0, r1);
@@ -156,7 +157,7 @@ void for_each_task(int64_t M, int64_t G, int64_t N, const int64_t* ends, const T
   }
   int64_t done = 0, next = 1;
   for (int64_t t = 0; t < tasks && next < threads; ++t) {
-    const int64_t g = t / blocks, n0 = (t % blocks) * kBlockN, n1 = std::min(N, n0 + kBlockN);
+    const int64_t g = t / blocks, n0 = (t % blocks) * block_n, n1 = std::min(N, n0 + block_n);
     if (rows[g] > 0) done += (n1 - n0) * (rows[g] + kStreamRows);
     while (next < threads && done * threads >= total * next) cut[next++] = t + 1;
   }
@@ -185,7 +186,7 @@ void grouped_rows_typed(const at::Tensor& x, const at::Tensor& wt, const int64_t
 // ---- the same kernel with AVX-512 (fp32 math): 16-lane vectors, tiles of 4 weight rows x 6 rows ----
 //
 // Taken where the CPU has AVX-512 (compiled function by function with a target attribute, like the bf16 kernel
-// below, so the library still loads on AVX2-only CPUs; DEEPINFER_CPU_AVX512=0 or deepinfer_cpu::allow_avx512
+// below, so the library still loads on AVX2-only CPUs; DEEPINFER_CPU_AVX512=0 or deepinfer_cpu::avx512_form
 // keep the AVX2 kernel). 32 registers hold twice the AVX2 tile's accumulators for the same loads, and every
 // first pass over a weight prefetches it, one-row groups included. On a 2-core Zen 4 VM, against the AVX2 kernel
 // (both with the work-balanced tasks of for_each_task): `mid` experts at 1024 rows over 16 groups (a 256-token
@@ -303,13 +304,23 @@ DEEPINFER_AVX512_TARGET inline void weight_rows512(const W* w, const float* x, i
   }
 }
 
+// Weight rows [n0, n1) against `rows` rows, in blocks of `row_block` rows: a block's rows and the task's weight rows
+// stay in L2 while they meet (the weights come from memory for the first block only).
 template <typename W>
-DEEPINFER_AVX512_TARGET void task512(const W* w, const float* xr, int64_t rows, int64_t K, int64_t n0, int64_t n1,
-                                     float* o, int64_t N) {
-  int64_t n = n0;
-  for (; n + kNW5 <= n1; n += kNW5) weight_rows512<kNW5>(w + n * K, xr, rows, K, o + n, N);
-  for (; n < n1; ++n) weight_rows512<1>(w + n * K, xr, rows, K, o + n, N);
+DEEPINFER_AVX512_TARGET void task512(const W* w, const float* x, int64_t rows, int64_t row_block, int64_t K,
+                                     int64_t n0, int64_t n1, float* o, int64_t N) {
+  for (int64_t r = 0; r < rows; r += row_block) {
+    const int64_t nr = std::min(row_block, rows - r);
+    const float* xr = x + r * K;
+    float* orow = o + r * N;
+    int64_t n = n0;
+    for (; n + kNW5 <= n1; n += kNW5) weight_rows512<kNW5>(w + n * K, xr, nr, K, orow + n, N);
+    for (; n < n1; ++n) weight_rows512<1>(w + n * K, xr, nr, K, orow + n, N);
+  }
 }
+
+// Blocking for L2 (1 MB a core on Zen 4, 2 MB on recent Xeons): a task's weight rows ~256 KB, a row block ~384 KB.
+constexpr int64_t kTaskWeightBytes = 256 << 10, kRowBlockBytes = 384 << 10;
 
 template <typename W>
 void grouped_rows_typed512(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends, at::Tensor& out) {
@@ -317,9 +328,11 @@ void grouped_rows_typed512(const at::Tensor& x, const at::Tensor& wt, const int6
   const float* xp = x.data_ptr<float>();
   const W* wp = wt.data_ptr<W>();
   float* outp = out.data_ptr<float>();
+  const int64_t block_n = std::clamp<int64_t>(kTaskWeightBytes / (K * int64_t(sizeof(W))) / kNW5 * kNW5, kNW5, kBlockN);
+  const int64_t row_block = std::clamp<int64_t>(kRowBlockBytes / (K * 4) / kR5 * kR5, kR5, 16 * kR5);
   for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
-    task512(wp + g * N * K, xp + r0 * K, r1 - r0, K, n0, n1, outp + r0 * N, N);
-  });
+    task512(wp + g * N * K, xp + r0 * K, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
+  }, block_n);
 }
 
 // x fp32 [M, K], wt [G, N, K] fp32 or bf16, both contiguous.
@@ -511,7 +524,9 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x_, const at::Tensor& w, const at::T
   const bool few = last <= kMaxRowsPerGroup * G;    // the rows in groups: not padding, not other ranks' pairs
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && few)
     return bf16_products(x, w.transpose(1, 2).contiguous(), ends);
-  if (kernel_dtypes(x, w) && few) {
+  // The AVX-512 form beats one MKL GEMM a group at any size (L2-blocked): `mid` experts at 128 and 256 rows a
+  // group 1.16-1.36x; the AVX2 form only up to ~64 rows a group.
+  if (kernel_dtypes(x, w) && (few || use_avx512())) {
     RECORD_FUNCTION("deepinfer_cpu::grouped_rows_mm", std::vector<c10::IValue>());
     grouped_rows(x, w.transpose(1, 2).contiguous(), ends, out);
   } else {
@@ -534,14 +549,20 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x_, const at::Tensor& w, const at::T
   return out;
 }
 
-// deepinfer::rows_linear: F.linear(x [M, K], w [N, K]) for a few rows of a big weight.
+// deepinfer::rows_linear: F.linear(x [M, K], w [N, K]) for a big weight: the kernel as one group for a few rows,
+// and for any number of rows where its AVX-512 form runs (prefill chunks: 1.05-1.15x MKL's sgemm at 256 rows of
+// the `mid` model's projections and MLP); else MKL, the few rows as the narrow side.
 at::Tensor rows_linear_cpu(const at::Tensor& x_, const at::Tensor& w_) {
   TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1), "rows_linear: x [M, K], w [N, K]");
-  if (x_.scalar_type() == at::kBFloat16 && w_.scalar_type() == at::kBFloat16) {    // bf16 products: one group
+  const bool few = x_.size(0) <= kMaxRowsPerGroup;
+  if (x_.scalar_type() == at::kBFloat16 && w_.scalar_type() == at::kBFloat16 && few) {    // bf16 products
     const int64_t ends[1] = {x_.size(0)};
     return bf16_products(x_.contiguous(), w_.contiguous().unsqueeze(0), ends);
   }
-  if (!kernel_dtypes(x_, w_)) return at::mm(as_compute(w_, x_), x_.t()).t().contiguous();
+  if (!kernel_dtypes(x_, w_) || !(few || use_avx512())) {
+    const at::Tensor w = as_compute(w_, x_);
+    return few ? at::mm(w, x_.t()).t().contiguous() : at::linear(x_, w);
+  }
   RECORD_FUNCTION("deepinfer_cpu::grouped_rows_mm", std::vector<c10::IValue>());
   const at::Tensor x = x_.contiguous(), w = w_.contiguous();
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
@@ -550,10 +571,10 @@ at::Tensor rows_linear_cpu(const at::Tensor& x_, const at::Tensor& w_) {
   return out;
 }
 
-// deepinfer_cpu::allow_avx512(allow): whether the fp32 kernel may take its AVX-512 form (where the CPU has it;
-// the default unless DEEPINFER_CPU_AVX512=0). Returns whether it takes it from now on. Tests run both forms.
-bool allow_avx512(bool allow) {
-  g_allow_avx512.store(allow);
+// deepinfer_cpu::avx512_form(allow=None): whether the fp32 kernel takes its AVX-512 form (where the CPU has it;
+// the default unless DEEPINFER_CPU_AVX512=0); with `allow`, first allow or forbid it. Tests run both forms.
+bool avx512_form(std::optional<bool> allow) {
+  if (allow.has_value()) g_allow_avx512.store(*allow);
   return use_avx512();
 }
 
@@ -561,7 +582,7 @@ bool allow_avx512(bool allow) {
 
 TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("grouped_rows_mm(Tensor x, Tensor wt, Tensor offs) -> Tensor");
-  m.def("allow_avx512(bool allow) -> bool", allow_avx512);
+  m.def("avx512_form(bool? allow=None) -> bool", avx512_form);
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {

@@ -197,23 +197,24 @@ def _kernels_or_skip():
 def kernel_isa(request):
     """The fp32 kernel's two forms: AVX2 everywhere it runs, AVX-512 where the CPU has it (the default there)."""
     _kernels_or_skip()
-    if not torch.ops.deepinfer_cpu.allow_avx512(request.param == "avx512") and request.param == "avx512":
-        torch.ops.deepinfer_cpu.allow_avx512(True)
+    if not torch.ops.deepinfer_cpu.avx512_form(request.param == "avx512") and request.param == "avx512":
+        torch.ops.deepinfer_cpu.avx512_form(True)
         pytest.skip("this CPU has no AVX-512: the fp32 kernel's AVX-512 form does not run here")
     yield request.param
-    torch.ops.deepinfer_cpu.allow_avx512(True)
+    torch.ops.deepinfer_cpu.avx512_form(True)
 
 
-@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9)])
+@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9), (4100, 30)])
 @pytest.mark.parametrize("offs_dtype,wdtype", [(torch.int32, torch.float32), (torch.int64, torch.float32),
                                                (torch.int32, torch.bfloat16)])
 def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype, kernel_isa):
-    """The CPU few-rows kernel against per-group matmuls in float64, in both its forms: groups of 0-17 rows
-    (register tiles of 4 rows x 3 weight rows (AVX2) and 6 rows x 4 weight rows (AVX-512), with every remainder),
-    K not a multiple of the vector width, rows in no group; fp32 weights and bf16 ones (widened exactly: the
-    reference is the same bf16 values in float64)."""
+    """The CPU few-rows kernel against per-group matmuls in float64, in both its forms: groups of 0-40 rows
+    (register tiles of 4 rows x 3 weight rows (AVX2) and 6 rows x 4 weight rows (AVX-512), with every remainder;
+    at K = 4100 the AVX-512 form's L2 blocks: 12 weight rows a task, 18 rows a block), K not a multiple of the
+    vector width, rows in no group; fp32 weights and bf16 ones (widened exactly: the reference is the same bf16
+    values in float64)."""
     g = torch.Generator().manual_seed(K * N)
-    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7, 11, 12, 13, 17]
+    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7, 11, 12, 13, 17, 40]
     M = sum(sizes) + 2
     x = torch.randn(K, M, generator=g).t()                      # not contiguous
     wt = torch.randn(len(sizes), N, K, generator=g).to(wdtype)
@@ -314,14 +315,15 @@ def test_bf16_products_ops():
                                rtol=2 ** -7, atol=1e-4)
 
 
-def test_grouped_mm_takes_the_kernel_for_few_rows():
+def test_grouped_mm_takes_the_kernel_for_few_rows(kernel_isa):
     """deepinfer::grouped_mm routes CPU fp32 groups of at most 64 rows on average to the kernel, larger ones to
-    one GEMM per group (a group of a few rows of a big weight with the operands swapped); rows in no group are
-    zero; bf16 rows past 64 a group take one bf16 GEMM per group too."""
-    _kernels_or_skip()
+    one GEMM per group (a group of a few rows of a big weight with the operands swapped) unless the kernel's
+    AVX-512 form runs (then it takes every size); rows in no group are zero; bf16 rows past 64 a group take one
+    bf16 GEMM per group."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(4, 32, 40, generator=g)                     # [G, K, N]
-    for rows, expect in ((256, True), (257, False)):           # 64 rows a group on average: kernel; 64.25: torch
+    avx512 = kernel_isa == "avx512"
+    for rows, expect in ((256, True), (257, avx512)):          # 64 rows a group on average: kernel; 64.25: torch
         x = torch.randn(rows, 32, generator=g)
         offs = torch.tensor([rows // 4, rows // 2, 3 * rows // 4, rows], dtype=torch.int32)
         out, took = _profiled_grouped_mm(x, w, offs)
@@ -333,17 +335,16 @@ def test_grouped_mm_takes_the_kernel_for_few_rows():
     offs = torch.tensor([2, 2, 200], dtype=torch.int32)          # 66.7 rows a group; rows 200, 201 in none
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.5)):
         out, took = _profiled_grouped_mm(x.to(dtype), big.to(dtype), offs)
-        assert not took and out.dtype == dtype
+        assert took == (avx512 and dtype == torch.float32) and out.dtype == dtype
         ref = torch.cat([x[:2].double() @ big[0].double(), x[2:200].double() @ big[2].double()])
         torch.testing.assert_close(out[:200].double(), ref, rtol=2e-2, atol=tol)
         assert torch.count_nonzero(out[200:]) == 0
 
 
-def test_bf16_weights_with_fp32_rows():
+def test_bf16_weights_with_fp32_rows(kernel_isa):
     """bf16 weights (--weight-dtype bfloat16) meet fp32 rows in every path of both ops and give fp32 results
     equal to the fp32 math on the same (widened) weights: grouped_mm's kernel and per-group GEMMs, rows_linear's
-    kernel, and the torch paths the Python bodies take without the kernels."""
-    _kernels_or_skip()
+    kernel and GEMM, and the torch paths the Python bodies take without the kernels."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(4, 64, 520, generator=g).bfloat16()         # [G, K, N]
     for rows in (12, 400):                                       # 3 rows a group: kernel; 100: one GEMM a group
@@ -353,17 +354,18 @@ def test_bf16_weights_with_fp32_rows():
         for e, (a, b) in enumerate(zip([0] + offs[:-1].tolist(), offs.tolist())):
             ref[a:b] = x[a:b].double() @ w[e].double()
         out, took = _profiled_grouped_mm(x, w, offs)
-        assert took == (rows == 12) and out.dtype == torch.float32
+        assert took == (rows == 12 or kernel_isa == "avx512") and out.dtype == torch.float32
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(ops.grouped_mm_torch(x, w, offs)[: rows - 1].double(), ref[: rows - 1],
                                    rtol=1e-5, atol=1e-4)
     lw = torch.randn(520, 509, generator=g).bfloat16()
-    for M in (2, 9):
+    for M in (2, 9, 100):
         x = torch.randn(M, 509, generator=g)
         ref = x.double() @ lw.double().T
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             op = torch.ops.deepinfer.rows_linear(x, lw)
-        assert any(e.name == "deepinfer_cpu::grouped_rows_mm" for e in prof.events())     # the kernel ran
+        took = any(e.name == "deepinfer_cpu::grouped_rows_mm" for e in prof.events())
+        assert took == (M <= 64 or kernel_isa == "avx512")          # the kernel ran, or (100 rows, AVX2) MKL
         for got in (op, ops.rows_linear_torch(x, lw)):
             assert got.dtype == torch.float32
             torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
