@@ -411,11 +411,14 @@ def experts_grouped(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weight
     else:
         g, u = torch.ops.deepinfer.grouped_mm(xs, wgu.transpose(1, 2), offs).chunk(2, dim=-1)
         y = torch.ops.deepinfer.grouped_mm(F.silu(g) * u, wd.transpose(1, 2), offs)  # [T*K, D]
-    computed = (group[order] < E)[:, None]                                   # rows past the last group: masked
-    coef = weights.reshape(-1)[order][:, None]
-    y = torch.where(computed, y.float() * coef, torch.zeros((), device=x.device))
-    out = torch.zeros(T * K, D, device=x.device).index_put((order,), y)     # back to token-major order
-    return out.view(T, K, D).sum(1)
+    # Back to token-major order by gathering each pair's row (the inverse permutation), so that the gather, the
+    # routing weights and the sum over a token's choices fuse into one pass over y (a scatter into a [T*K, D]
+    # buffer and a second pass to sum it took 2-3 passes). Rows past the last group are masked, not multiplied:
+    # their values are unspecified.
+    inv = torch.empty_like(order).index_put((order,), torch.arange(T * K, device=x.device))
+    coef = torch.where(mine, weights.reshape(-1), torch.zeros((), device=x.device))[:, None]   # token-major
+    y = torch.where(mine[:, None], y[inv].float() * coef, torch.zeros((), device=x.device))
+    return y.view(T, K, D).sum(1)
 
 
 def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
