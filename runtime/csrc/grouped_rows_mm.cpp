@@ -7,7 +7,10 @@
 // MoE experts: a handful (decode) to a few dozen (prefill chunks) of (token, expert) rows per expert, each
 // expert's weight a few MB. MKL's sgemm at that shape runs far under both the memory and the FLOP peak; here each
 // group's weight streams from memory once, kNW weight rows at a time, and meets up to 4 of the group's rows
-// (L1-resident) at a time in 12 register accumulators.
+// (L1-resident) at a time in 12 register accumulators. Where the CPU has AVX-512, a form with 4 x 6 tiles of
+// 16-lane accumulators, blocked for L2, runs instead: it beats MKL's sgemm at any number of rows, so the CPU ops
+// take it for prefill chunks and their linears too. Where it has AVX512-BF16, bf16 rows meet bf16 weights in
+// dot-product instructions (--matmul-dtype bfloat16).
 // Built at first use by runtime/cpu_kernels.py (torch.utils.cpp_extension); torch's own thread pool runs it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
