@@ -361,7 +361,8 @@ bool cpu_has_bf16_dot() {
   return yes;
 }
 
-constexpr int kNWb = 4;   // weight rows per register tile (4 x 4 accumulators + 4 + 1 of 32 zmm)
+constexpr int kNWb = 4;   // weight rows per register tile (4 x 6 accumulators + 4 + 1 of 32 zmm, as the AVX-512 form)
+constexpr int kRb = 6;    // rows per register tile
 
 template <int NW, int R, bool PF>
 DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* out,
@@ -370,7 +371,7 @@ DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x
   __m512 acc[NW][R];
 #pragma GCC unroll 4
   for (int i = 0; i < NW; ++i)
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int j = 0; j < R; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {             // 32 bf16 (one 64-byte line) per row and step
@@ -381,7 +382,7 @@ DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x
 #pragma GCC unroll 4
       for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kAhead), _MM_HINT_T1);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int j = 0; j < R; ++j) {
       const __m512i xv = _mm512_loadu_si512(x + j * K + k);
 #pragma GCC unroll 4
@@ -393,7 +394,7 @@ DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x
     __m512i wv[NW];
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) wv[i] = _mm512_maskz_loadu_epi16(m, w + i * K + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int j = 0; j < R; ++j) {
       const __m512i xv = _mm512_maskz_loadu_epi16(m, x + j * K + k);
 #pragma GCC unroll 4
@@ -410,25 +411,34 @@ template <int NW>
 DEEPINFER_BF16_TARGET inline void weight_rows_bf16(const uint16_t* w, const uint16_t* x, int64_t rows, int64_t K,
                                                    float* out, int64_t ldo) {
   int64_t r = 0;
-  if (rows >= 4) {
-    tile_bf16<NW, 4, true>(w, x, K, out, ldo);
-    for (r = 4; r + 4 <= rows; r += 4) tile_bf16<NW, 4, false>(w, x + r * K, K, out + r * ldo, ldo);
+  if (rows >= kRb) {
+    tile_bf16<NW, kRb, true>(w, x, K, out, ldo);
+    for (r = kRb; r + kRb <= rows; r += kRb) tile_bf16<NW, kRb, false>(w, x + r * K, K, out + r * ldo, ldo);
   }
   const bool first = r == 0;
+  const uint16_t* xr = x + r * K;
+  float* o = out + r * ldo;
   switch (rows - r) {
-    case 3: first ? tile_bf16<NW, 3, true>(w, x, K, out, ldo) : tile_bf16<NW, 3, false>(w, x + r * K, K, out + r * ldo, ldo); break;
-    case 2: first ? tile_bf16<NW, 2, true>(w, x, K, out, ldo) : tile_bf16<NW, 2, false>(w, x + r * K, K, out + r * ldo, ldo); break;
-    case 1: first ? tile_bf16<NW, 1, true>(w, x, K, out, ldo) : tile_bf16<NW, 1, false>(w, x + r * K, K, out + r * ldo, ldo); break;
+    case 5: first ? tile_bf16<NW, 5, true>(w, xr, K, o, ldo) : tile_bf16<NW, 5, false>(w, xr, K, o, ldo); break;
+    case 4: first ? tile_bf16<NW, 4, true>(w, xr, K, o, ldo) : tile_bf16<NW, 4, false>(w, xr, K, o, ldo); break;
+    case 3: first ? tile_bf16<NW, 3, true>(w, xr, K, o, ldo) : tile_bf16<NW, 3, false>(w, xr, K, o, ldo); break;
+    case 2: first ? tile_bf16<NW, 2, true>(w, xr, K, o, ldo) : tile_bf16<NW, 2, false>(w, xr, K, o, ldo); break;
+    case 1: first ? tile_bf16<NW, 1, true>(w, xr, K, o, ldo) : tile_bf16<NW, 1, false>(w, xr, K, o, ldo); break;
     default: break;
   }
 }
 
-// One parallel task: weight rows [n0, n1) of group g against the group's rows [r0, r1).
-DEEPINFER_BF16_TARGET void bf16_task(const uint16_t* w, const uint16_t* xr, int64_t rows, int64_t K, int64_t n0,
-                                     int64_t n1, float* o, int64_t N) {
-  int64_t n = n0;
-  for (; n + kNWb <= n1; n += kNWb) weight_rows_bf16<kNWb>(w + n * K, xr, rows, K, o + n, N);
-  for (; n < n1; ++n) weight_rows_bf16<1>(w + n * K, xr, rows, K, o + n, N);
+// One parallel task: weight rows [n0, n1) of group g against the group's rows, in L2-sized row blocks (as task512).
+DEEPINFER_BF16_TARGET void bf16_task(const uint16_t* w, const uint16_t* x, int64_t rows, int64_t row_block,
+                                     int64_t K, int64_t n0, int64_t n1, float* o, int64_t N) {
+  for (int64_t r = 0; r < rows; r += row_block) {
+    const int64_t nr = std::min(row_block, rows - r);
+    const uint16_t* xr = x + r * K;
+    float* orow = o + r * N;
+    int64_t n = n0;
+    for (; n + kNWb <= n1; n += kNWb) weight_rows_bf16<kNWb>(w + n * K, xr, nr, K, orow + n, N);
+    for (; n < n1; ++n) weight_rows_bf16<1>(w + n * K, xr, nr, K, orow + n, N);
+  }
 }
 
 // x bf16 [M, K], wt bf16 [G, N, K], both contiguous -> out fp32 [M, N] (rows in no group left as they are).
@@ -437,9 +447,11 @@ void grouped_rows_bf16(const at::Tensor& x, const at::Tensor& wt, const int64_t*
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wt.data_ptr<at::BFloat16>());
   float* outp = out.data_ptr<float>();
+  const int64_t block_n = std::clamp<int64_t>(kTaskWeightBytes / (K * 2) / kNWb * kNWb, kNWb, kBlockN);
+  const int64_t row_block = std::clamp<int64_t>(kRowBlockBytes / (K * 2) / kRb * kRb, kRb, 16 * kRb);
   for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
-    bf16_task(wp + g * N * K, xp + r0 * K, r1 - r0, K, n0, n1, outp + r0 * N, N);
-  });
+    bf16_task(wp + g * N * K, xp + r0 * K, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
+  }, block_n);
 }
 
 // bf16 rows and bf16 weights: the dot-product kernel where the CPU has it.

@@ -262,17 +262,17 @@ def _has_bf16_dot() -> bool:
     return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_bf16"))
 
 
-@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9)])
+@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9), (4100, 30)])
 def test_bf16_dot_kernel_matches(K, N):
     """The AVX512-BF16 kernel (bf16 rows and weights, fp32 sums) against float64 on the same bf16 values: groups of
-    0-9 rows (tiles of 4 rows and 4 weight rows, every remainder), K not a multiple of 32 (the masked tail), rows
-    in no group zero."""
+    0-50 rows (tiles of 6 rows and 4 weight rows, every remainder; at K = 4100 its L2 blocks: 28 weight rows a
+    task, 42 rows a block), K not a multiple of 32 (the masked tail), rows in no group zero."""
     _kernels_or_skip()
     if not _has_bf16_dot():
         pytest.skip("this CPU has no AVX512-BF16: the dot-product kernel does not run here (the ops widen the rows "
                     "for the fp32 kernel instead: test_bf16_products_ops)")
     g = torch.Generator().manual_seed(K + N)
-    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7]
+    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7, 11, 12, 13, 17, 50]
     M = sum(sizes) + 2
     x = torch.randn(K, M, generator=g).t().bfloat16()           # not contiguous
     wt = torch.randn(len(sizes), N, K, generator=g).bfloat16()
