@@ -169,3 +169,35 @@ def test_region_timing_covers_every_region_per_step_kind(checkpoints, compile_ar
     for kind in ("prefill", "decode"):
         parts = sum(float(ln.split()[-2]) for ln in lines[1:] if ln.split()[0] == kind and "(step)" not in ln)
         assert step[kind] == pytest.approx(parts, abs=0.3)
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's allocator only")
+@pytest.mark.parametrize("keep", ["1", "0"])
+def test_cpu_runner_keeps_freed_activation_memory(keep):
+    """A step's worth of buffers (four 4 MB activations alive at once, then freed) allocated again faults no page
+    back in once keep_freed_memory applied (make_runner does it on the CPU); without it glibc trims them off its
+    heap and the next step faults ~4096 pages (4 KB each) back in. In a subprocess: the setting is process-wide."""
+    import os
+    import subprocess
+    import sys
+    code = """
+import resource, torch
+from deepinfer.runtime.engine import keep_freed_memory
+applied = keep_freed_memory()
+def step():
+    ts = [torch.empty(1 << 20) for _ in range(4)]
+    for t in ts:
+        t.fill_(1.0)
+for _ in range(3):
+    step()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+step()
+print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "DEEPINFER_MALLOC_KEEP": keep}).stdout.split()
+    applied, faults = out[0] == "True", int(out[1])
+    if keep == "1":
+        assert applied and faults < 256, (applied, faults)
+    else:
+        assert not applied and faults >= 2048, (applied, faults)
