@@ -204,15 +204,15 @@ def kernel_isa(request):
     torch.ops.deepinfer_cpu.avx512_form(True)
 
 
-@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9), (4100, 30)])
+@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9), (1024, 20), (4100, 30)])
 @pytest.mark.parametrize("offs_dtype,wdtype", [(torch.int32, torch.float32), (torch.int64, torch.float32),
                                                (torch.int32, torch.bfloat16)])
 def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype, kernel_isa):
     """The CPU few-rows kernel against per-group matmuls in float64, in both its forms: groups of 0-40 rows
     (register tiles of 4 rows x 3 weight rows (AVX2) and 6 rows x 4 weight rows (AVX-512), with every remainder;
     at K = 4100 the AVX-512 form's L2 blocks: 12 weight rows a task, 18 rows a block), K not a multiple of the
-    vector width, rows in no group; fp32 weights and bf16 ones (widened exactly: the reference is the same bf16
-    values in float64)."""
+    vector width, rows 4 KB long (K = 1024: the AVX-512 form reads them from a copy with a longer stride), rows
+    in no group; fp32 weights and bf16 ones (widened exactly: the reference is the same bf16 values in float64)."""
     g = torch.Generator().manual_seed(K * N)
     sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7, 11, 12, 13, 17, 40]
     M = sum(sizes) + 2
@@ -262,7 +262,7 @@ def _has_bf16_dot() -> bool:
     return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_bf16"))
 
 
-@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9), (4100, 30)])
+@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9), (1024, 20), (4100, 30)])
 def test_bf16_dot_kernel_matches(K, N):
     """The AVX512-BF16 kernel (bf16 rows and weights, fp32 sums) against float64 on the same bf16 values: groups of
     0-50 rows (tiles of 6 rows and 4 weight rows, every remainder; at K = 4100 its L2 blocks: 28 weight rows a
