@@ -252,11 +252,11 @@ def keep_freed_memory() -> bool:
     """CPU, glibc: keep freed activation buffers in the process instead of handing them back to the kernel.
 
     A step allocates its activations afresh (AOTInductor graphs, the kernels' outputs: up to a few MB each) and
-    frees them at the end; glibc serves such sizes from mmap or trims them off its heap, so the next step page-
-    faults them in again: ~550 minor faults a `mid` decode step at 16 sequences and ~1300 a 256-token prefill
+    frees them at the end; glibc serves such sizes from mmap or trims them off its heap, so later steps page-
+    fault them in again: 2.6-7k minor faults a 17-step 16-sequence `mid` run and up to 3k a 256-token prefill
     chunk, at ~0.9 us each on the 2-core VM (measured by forcing glibc's initial 128 KB thresholds: 170k faults
-    cost ~150 ms). An mmap threshold of 32 MB (glibc's maximum) and no trimming make every later step reuse the
-    same pages: 0-5 faults a run. The price is that the process keeps its peak activation memory (tens of MB).
+    cost ~150 ms). An mmap threshold of 32 MB (glibc's maximum) and no trimming make later steps reuse the same
+    pages: 0-500 faults a run. The price is that the process keeps its peak activation memory (tens of MB).
     What the PyTorch CPU tuning guide gets by preloading jemalloc or tcmalloc, from inside the process.
     Returns whether it applied (glibc only)."""
     import ctypes
