@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,15 +260,11 @@ def keep_freed_memory() -> bool:
     cost ~150 ms). An mmap threshold of 32 MB (glibc's maximum) and no trimming make later steps reuse the same
     pages: 0-500 faults a run. The price is that the process keeps its peak activation memory (tens of MB).
     What the PyTorch CPU tuning guide gets by preloading jemalloc or tcmalloc, from inside the process.
-    Returns whether it applied (glibc only)."""
-    import ctypes
-    import ctypes.util
-    import os
-    import platform
-    if os.environ.get(MALLOC_ENV, "1") == "0" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    Returns whether it applied (glibc only: elsewhere mallopt is missing or refuses)."""
+    if os.environ.get(MALLOC_ENV, "1") == "0":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)                             # the process's own C library: no lookup
         m_trim_threshold, m_mmap_threshold = -1, -3          # <malloc.h>
         return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
     except (OSError, AttributeError):
