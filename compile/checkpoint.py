@@ -61,7 +61,8 @@ class Checkpoint:
 
     @property
     def tokenizer_files(self) -> list[Path]:
-        names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
+        names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "generation_config.json"]
         return [self.path / n for n in names if (self.path / n).is_file()]
 
     def names(self) -> set[str]:

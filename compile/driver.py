@@ -75,6 +75,7 @@ def compile_artifact(o: CompileOptions, log: Log = print) -> CompileReport:
     if ck is not None:
         for note in ck.notes:
             log(f"note: {note}")
+        log(_chat_note(ck))
 
     memory = memory_plan(m, cc, layout, plans)
     for ranks, r in _group_ranks(memory):
@@ -174,6 +175,16 @@ def _write_weights(m, cc, layout, ck, tmp: Path, log: Log) -> list[WeightShard]:
         shards.append(WeightShard(rank=r.rank, path=rel, sha256=sha256_file(tmp / rel), bytes=n,
                                   num_tensors=len(specs)))
     return shards
+
+
+def _chat_note(ck: Checkpoint) -> str:
+    """What /v1/chat/completions will have: the checkpoint's chat template, none, or one that cannot be used."""
+    from ..runtime.chat import load_chat_template
+    try:
+        t = load_chat_template(ck.path, {f.name for f in ck.tokenizer_files})
+    except DeepinferError as e:
+        return f"warning: chat will be off: {e}"
+    return f"chat: template from {Path(t.origin).name}" if t else "chat: no chat template in the checkpoint"
 
 
 def _copy_tokenizer(ck: Checkpoint | None, tmp: Path) -> list[FileEntry]:

@@ -1,4 +1,4 @@
-"""OpenAI /v1/completions request and response shapes (strict: unknown or mistyped fields are 400s)."""
+"""OpenAI /v1/completions and /v1/chat/completions request shapes (strict: unknown or mistyped fields are 400s)."""
 
 from __future__ import annotations
 
@@ -44,12 +44,52 @@ class CompletionRequest(BaseModel):
     best_of: StrictInt | None = None
 
 
+class ContentPart(BaseModel):
+    """A part of a message's content; only {"type": "text", "text": ...} is served (the server says so)."""
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    """A message as the chat template sees it. Fields besides role and content (name, tool_calls, tool_call_id,
+    ...) pass through to the template untouched; content given as text parts is joined into one string."""
+    model_config = ConfigDict(extra="allow")
+    role: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = -1
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    add_generation_prompt: StrictBool = True       # vLLM's extension: end the prompt with the assistant's turn
+    repetition_penalty: Number = 1.0
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+
+
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
     return {"object": "error", "error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def new_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+def new_id(prefix: str = "cmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:

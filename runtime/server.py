@@ -1,5 +1,5 @@
-"""OpenAI-compatible HTTP server: /v1/completions (streaming or not), /v1/models, /health, /metrics,
-/tokenize, /detokenize. Bad requests get OpenAI-shaped 4xx bodies and never disturb other requests."""
+"""OpenAI-compatible HTTP server: /v1/completions and /v1/chat/completions (streaming or not), /v1/models,
+/health, /metrics, /tokenize, /detokenize. Bad requests get OpenAI-shaped 4xx bodies and never disturb other requests."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..common.errors import CapacityError, RankFailure, RequestError
 from .engine import Engine
 from .engine_loop import EngineLoop, Stream, TokenEvent
 from .metrics import Metrics
-from .protocol import CompletionRequest, error_body, new_id, now
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, error_body, new_id, now
 from .sequence import GREEDY_BELOW, SamplingParams
 from .tokenizer import Tokenizer, no_tokenizer
 
@@ -121,6 +121,42 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             field = first["loc"][0] if first["loc"] else "body"
             raise RequestError(f"field '{field}': {first['msg']}") from None
         prompts, texts = _prompts(req, tok)
+        return await _generate(request, req, prompts, texts, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(request: Request):
+        body = await _json(request)
+        try:
+            creq = ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise RequestError(f"field '{_field(first['loc'])}': {first['msg']}") from None
+        if tok is None:
+            raise no_tokenizer("a chat request")
+        messages = [_message(i, m) for i, m in enumerate(creq.messages)]
+        ids = tok.encode_chat(messages, creq.add_generation_prompt)
+        if not ids:
+            raise RequestError("the chat template rendered these messages as an empty prompt")
+        if creq.max_tokens is not None and creq.max_completion_tokens is not None and \
+                creq.max_tokens != creq.max_completion_tokens:
+            raise RequestError(f"fields 'max_tokens'={creq.max_tokens} and 'max_completion_tokens'="
+                               f"{creq.max_completion_tokens} disagree (send one)")
+        if creq.top_logprobs is not None:
+            if not creq.logprobs:
+                raise RequestError("field 'top_logprobs' needs 'logprobs': true")
+            if not 0 <= creq.top_logprobs <= MAX_LOGPROBS:
+                raise RequestError(f"field 'top_logprobs'={creq.top_logprobs} must be between 0 and {MAX_LOGPROBS}")
+        # the rest is a completion request for the rendered prompt
+        fields = creq.model_dump(exclude={"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+                                          "add_generation_prompt", "stream_options"})
+        req = CompletionRequest(**fields, prompt=ids, stream_options=creq.stream_options,
+                                max_tokens=creq.max_tokens if creq.max_completion_tokens is None
+                                else creq.max_completion_tokens,
+                                logprobs=(creq.top_logprobs or 0) if creq.logprobs else None)
+        return await _generate(request, req, [ids], [None], chat=True)
+
+    async def _generate(request: Request, req: CompletionRequest, prompts: list[list[int]], texts: list[str | None],
+                        chat: bool):
         params = _sampling(req, prompts, limit)
         streams: list[Stream] = []
         try:
@@ -134,11 +170,11 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             raise
         for ids in prompts:
             metrics.prompt_tokens.inc(len(ids))
-        rid = new_id()
+        rid = new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
-            return StreamingResponse(_sse(rid, req, streams, prompts, texts), media_type="text/event-stream",
+            return StreamingResponse(_sse(rid, req, streams, prompts, texts, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(request, rid, req, streams, prompts, texts)
+        return await _complete(request, rid, req, streams, prompts, texts, chat)
 
     # -- helpers --------------------------------------------------------------------------------
     async def _json(request: Request) -> dict:
@@ -201,8 +237,12 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             raise RequestError(f"n > 1 with temperature {req.temperature} (greedy below {GREEDY_BELOW}) would return "
                                f"identical choices; use a higher temperature")
         max_tokens = req.max_tokens
-        if max_tokens is None:
-            max_tokens = limit - max(len(p) for p in prompts)
+        if max_tokens is None:       # as many as the context leaves
+            longest = max(len(p) for p in prompts)
+            if longest >= limit:
+                raise RequestError(f"the prompt is {longest} tokens: the compiled context limit {limit} leaves no "
+                                   f"room for output")
+            max_tokens = limit - longest
         if max_tokens < 1:
             raise RequestError(f"field 'max_tokens'={max_tokens} must be at least 1")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -211,6 +251,22 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
                               top_k=max(0, req.top_k), seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
                               logprobs=req.logprobs)
+
+    def _message(i: int, m: ChatMessage) -> dict:
+        msg = m.model_dump()
+        if isinstance(m.content, list):
+            bad = next((p.type for p in m.content if p.type != "text" or p.text is None), None)
+            if bad is not None:
+                raise RequestError(f"field 'messages[{i}].content': only text parts are served (got a '{bad}' part)")
+            msg["content"] = "\n".join(p.text for p in m.content)
+        return msg
+
+    def _chat_logprobs(events: list[TokenEvent]) -> dict:
+        def entry(t: int, lp: float) -> dict:
+            s = tok.token_str(t) if tok is not None else str(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"content": [{**entry(ev.token_id, ev.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in ev.top_logprobs.items()]} for ev in events]}
 
     def _logprobs_block(events: list[TokenEvent], offset0: int) -> dict:
         tokens, lps, tops, offs = [], [], [], []
@@ -229,7 +285,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         c = sum(len(s.seq.output_ids) for s in streams)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    async def _complete(request, rid, req, streams, prompts, texts):
+    async def _complete(request, rid, req, streams, prompts, texts, chat):
         watcher = asyncio.create_task(_watch_disconnect(request, streams))
         try:
             results = await asyncio.gather(*(_collect(s) for s in streams))
@@ -243,12 +299,17 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         for idx, (s, events) in enumerate(zip(streams, results)):
             last = events[-1] if events else None
             text = last.text if last else ""
+            if chat:
+                choices.append({"index": idx, "message": {"role": "assistant", "content": text},
+                                "logprobs": _chat_logprobs(events) if req.logprobs is not None else None,
+                                "finish_reason": last.finish_reason if last else "abort"})
+                continue
             prefix = (texts[idx // req.n] or (tok.decode(prompts[idx // req.n]) if tok else "")) if req.echo else ""
             choices.append({"index": idx, "text": prefix + text,
                             "logprobs": _logprobs_block(events, len(prefix)) if req.logprobs is not None else None,
                             "finish_reason": last.finish_reason if last else "abort"})
-        return {"id": rid, "object": "text_completion", "created": now(), "model": model_name, "choices": choices,
-                "usage": _usage(prompts, streams, req.n)}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                "model": model_name, "choices": choices, "usage": _usage(prompts, streams, req.n)}
 
     async def _collect(s: Stream) -> list[TokenEvent]:
         events = []
@@ -268,7 +329,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                     loop.abort(s)
                 return
 
-    async def _sse(rid, req, streams, prompts, texts):
+    async def _sse(rid, req, streams, prompts, texts, chat):
         merged: asyncio.Queue = asyncio.Queue()
 
         async def forward(i: int, s: Stream):
@@ -287,9 +348,15 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
-        def chunk(i: int, text: str, finish: str | None, lp: dict | None) -> str:
-            body = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(i: int, text: str, finish: str | None, lp: dict | None, role: bool = False) -> str:
+            if chat:    # the first chunk of each choice names the role
+                choice = {"index": i, "delta": {"role": "assistant", "content": text} if role else {"content": text},
+                          "logprobs": lp, "finish_reason": finish}
+            else:
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+            body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
             if continuous_usage:        # vLLM's extension: the running usage on every chunk
                 body["usage"] = _usage(prompts, streams, req.n)
             return "data: " + json.dumps(body) + "\n\n"
@@ -297,6 +364,9 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             if req.echo:
                 for i in range(len(streams)):
                     yield chunk(i, texts[i // req.n] or (tok.decode(prompts[i // req.n]) if tok else ""), None, None)
+            if chat:
+                for i in range(len(streams)):
+                    yield chunk(i, "", None, None, role=True)
             while remaining:
                 i, ev = await merged.get()
                 if isinstance(ev, BaseException):
@@ -306,13 +376,13 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                 end = len(ev.text) if ev.finished else max(sent[i], len(ev.text) - holdback)
                 delta = ev.text[sent[i]:end]
                 sent[i] = end
-                lp = _logprobs_block([ev], emitted[i]) if req.logprobs is not None else None
+                lp = None if req.logprobs is None else _chat_logprobs([ev]) if chat else _logprobs_block([ev], emitted[i])
                 emitted[i] += len(delta)
                 yield chunk(i, delta, ev.finish_reason if ev.finished else None, lp)
                 if ev.finished:
                     remaining -= 1
             if include_usage:
-                yield "data: " + json.dumps({"id": rid, "object": "text_completion", "created": created,
+                yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
                                              "model": model_name, "choices": [],
                                              "usage": _usage(prompts, streams, req.n)}) + "\n\n"
             yield "data: [DONE]\n\n"
@@ -326,6 +396,14 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
     return app
+
+
+def _field(loc: tuple) -> str:
+    """A validation error's place in a chat request: 'messages[0].role' (union member names left out)."""
+    out = ""
+    for x in loc[:3]:
+        out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
+    return out or "body"
 
 
 def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from ..common.errors import ArtifactError, RequestError
+
+log = logging.getLogger("deepinfer")
 
 
 class Tokenizer:
@@ -24,6 +27,8 @@ class Tokenizer:
         # The tokenizer's own post-processor may already add BOS (as transformers' tokenizers do by default);
         # tokenizer_config's add_bos_token covers tokenizers that rely on the config instead.
         self.bos_id = bos_token_id if add_bos else None
+        self.chat_template = None        # runtime.chat.ChatTemplate, set by load_tokenizer where the artifact has one
+        self.chat_error: str | None = None    # why the artifact's chat template cannot be used
 
     @property
     def vocab_size(self) -> int:
@@ -38,6 +43,15 @@ class Tokenizer:
         if add_special_tokens and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages -> prompt ids with the artifact's chat template (its special tokens written by it)."""
+        if self.chat_error is not None:
+            raise RequestError(f"chat is off for this artifact: {self.chat_error}")
+        if self.chat_template is None:
+            raise RequestError("this artifact has no chat template (its checkpoint has neither chat_template.jinja "
+                               "nor a 'chat_template' in tokenizer_config.json); use /v1/completions")
+        return self.encode(self.chat_template.render(messages, add_generation_prompt), add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -85,5 +99,12 @@ def load_tokenizer(root: Path, files: list[str], bos_token_id: int | None) -> To
     if "tokenizer/tokenizer.json" not in files:
         return None
     cfg = root / "tokenizer/tokenizer_config.json"
-    return Tokenizer(root / "tokenizer/tokenizer.json", cfg if "tokenizer/tokenizer_config.json" in files else None,
-                     bos_token_id)
+    tok = Tokenizer(root / "tokenizer/tokenizer.json", cfg if "tokenizer/tokenizer_config.json" in files else None,
+                    bos_token_id)
+    from .chat import load_chat_template
+    try:
+        tok.chat_template = load_chat_template(root / "tokenizer", {f.removeprefix("tokenizer/") for f in files})
+    except ArtifactError as e:       # completions still work; chat requests are told why not
+        log.warning("chat is off: %s", e)
+        tok.chat_error = str(e)
+    return tok

@@ -51,8 +51,23 @@ def make_checkpoint(path: Path, seed: int = 0, tokenizer: bool = True, dtype: to
     return path
 
 
-def write_byte_tokenizer(path: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer (bytes only, no merges) so text prompts work on random models."""
+# A DeepSeek-style chat template (system prompts first, then the turns; the assistant's turn ends in EOS),
+# with the whitespace that trim_blocks / lstrip_blocks must remove, and an error for roles it does not know.
+CHAT_TEMPLATE = """{% set ns = namespace(system='') %}
+{%- for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] %}{% endif %}{% endfor %}
+{{ bos_token }}{{ ns.system }}
+{%- for m in messages %}
+  {%- if m['role'] == 'user' %}{{ '<User>' + m['content'] }}
+  {%- elif m['role'] == 'assistant' %}{{ '<Assistant>' + m['content'] + eos_token }}
+  {%- elif m['role'] != 'system' %}{{ raise_exception('unknown role ' + m['role']) }}
+  {%- endif %}
+{% endfor %}
+{% if add_generation_prompt %}{{ '<Assistant>' }}{% endif %}"""
+
+
+def write_byte_tokenizer(path: Path, vocab_size: int, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """A byte-level BPE tokenizer (bytes only, no merges) so text prompts work on random models, with a chat
+    template in its tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
     alphabet = ByteLevel.alphabet()
@@ -65,7 +80,10 @@ def write_byte_tokenizer(path: Path, vocab_size: int) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|bos|>", "<|eos|>"])
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    config = {"add_bos_token": False, "bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def hf_model(path: Path, dtype=torch.float32):

@@ -138,6 +138,65 @@ def test_bad_requests_get_openai_errors(server, body, fragment):
     assert fragment in err["message"] and err["type"] == "invalid_request_error"
 
 
+def test_chat_completions_are_completions_of_the_chat_templates_prompt(server):
+    """The chat endpoint = transformers' apply_chat_template ids through /v1/completions, in chat's shapes."""
+    from openai import OpenAI
+    from transformers import PreTrainedTokenizerFast
+    client = OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY)
+    model = client.models.list().data[0].id
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    ids = PreTrainedTokenizerFast.from_pretrained(server["art"] / "tokenizer").apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = post(server, {"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                         "logprobs": 1}).json()["choices"][0]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=1, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content == want["text"] and c.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
+    assert [e.token for e in c.logprobs.content] == want["logprobs"]["tokens"]
+    assert [e.logprob for e in c.logprobs.content] == pytest.approx(want["logprobs"]["token_logprobs"])
+    assert all(len(e.top_logprobs) == 1 and bytes(e.bytes).decode() == e.token for e in c.logprobs.content)
+    # streamed: the role first, then the same text, then the usage
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_completion_tokens=8,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == c.message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    # content as text parts is joined with newlines (as vLLM does)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]
+    joined = [{"role": "user", "content": "Hel\nlo"}]
+    a, b = (post(server, {"messages": m, "max_tokens": 4, "temperature": 0}, path="/v1/chat/completions").json()
+            for m in (parts, joined))
+    assert a["usage"] == b["usage"] and a["choices"][0]["message"] == b["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "unknown role tool"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+     "only text parts"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "needs 'logprobs'"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4}, "disagree"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "other"}, "not served"),
+    ({"messages": [{"role": "user", "content": "x" * 200}]}, "context limit"),
+])
+def test_bad_chat_requests_get_openai_errors(server, body, fragment):
+    r = post(server, body, path="/v1/chat/completions")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["type"] == "invalid_request_error"
+
+
 def test_malformed_json_auth_and_models(server):
     r = httpx.post(server["base"] + "/v1/completions", content=b"{not json",
                    headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})

@@ -1,0 +1,90 @@
+"""Chat templates: the prompt ids we render and tokenize are transformers' `apply_chat_template` ids."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from checkpoints import CHAT_TEMPLATE, write_byte_tokenizer
+from deepinfer.common.errors import ArtifactError, RequestError
+from deepinfer.runtime.tokenizer import load_tokenizer
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, wörld ✓"},
+     {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "again\nand again"}],
+    [{"role": "system", "content": "A"}, {"role": "system", "content": "B"}, {"role": "user", "content": ""}],
+]
+
+
+def artifact_tokenizer(tmp_path, config: dict | None = None, jinja: str | None = None):
+    """A tokenizer directory laid out as in an artifact; returns (our Tokenizer, the checkpoint directory)."""
+    ck = tmp_path / "ck"
+    ck.mkdir(parents=True)
+    write_byte_tokenizer(ck, 320)
+    if config is not None:
+        (ck / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (ck / "chat_template.jinja").write_text(jinja)
+    art = tmp_path / "art"
+    (art / "tokenizer").mkdir(parents=True)
+    files = []
+    for f in ck.iterdir():
+        shutil.copy(f, art / "tokenizer" / f.name)
+        files.append(f"tokenizer/{f.name}")
+    return load_tokenizer(art, files, 0), ck
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_chat_prompt_ids_equal_transformers_apply_chat_template(tmp_path, generation_prompt):
+    from transformers import PreTrainedTokenizerFast
+    ours, ck = artifact_tokenizer(tmp_path)
+    hf = PreTrainedTokenizerFast.from_pretrained(ck)
+    for messages in CONVERSATIONS:
+        want = hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert ours.encode_chat(messages, generation_prompt) == want
+    # the special tokens the template writes are single tokens, not their text
+    ids = ours.encode_chat(CONVERSATIONS[1])
+    assert ids[0] == 0 and ids.count(1) == 1
+
+
+def test_template_sources_and_special_tokens(tmp_path):
+    # chat_template.jinja wins over tokenizer_config.json's; AddedToken-style special tokens are read
+    jinja = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    ours, _ = artifact_tokenizer(tmp_path, config={"chat_template": "unused", "bos_token": {
+        "__type": "AddedToken", "content": "<|bos|>"}}, jinja=jinja)
+    assert ours.chat_template.render([{"role": "user", "content": "x"}]) == "<|bos|>[user]x"
+    # a list of named templates: the one named "default"
+    ours, _ = artifact_tokenizer(tmp_path / "b", config={"chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ messages|length }}"}]})
+    assert ours.chat_template.render([{"role": "user", "content": "x"}]) == "D1"
+
+
+def test_no_template_and_broken_templates_are_named(tmp_path):
+    ours, _ = artifact_tokenizer(tmp_path, config={"add_bos_token": False})
+    with pytest.raises(RequestError, match="no chat template"):
+        ours.encode_chat([{"role": "user", "content": "x"}])
+    # a template that does not parse: chat is off (completions still load), and chat requests say why
+    ours, _ = artifact_tokenizer(tmp_path / "b", config={"chat_template": "{% for m in messages %}"})
+    with pytest.raises(RequestError, match="chat is off.*does not parse"):
+        ours.encode_chat([{"role": "user", "content": "x"}])
+    assert ours.decode(ours.encode("ab", add_special_tokens=False)) == "ab"
+    # the template's own refusal, and a message it cannot handle, are request errors
+    ours, _ = artifact_tokenizer(tmp_path / "c")
+    with pytest.raises(RequestError, match="unknown role tool"):
+        ours.encode_chat([{"role": "tool", "content": "x"}])
+    with pytest.raises(RequestError, match="could not render"):
+        ours.encode_chat([{"role": "user", "content": None}])
+    # a template cannot reach Python internals (sandboxed)
+    ours, _ = artifact_tokenizer(tmp_path / "d", config={"chat_template": "{{ messages.__class__.__mro__ }}"})
+    with pytest.raises(RequestError):
+        ours.encode_chat([{"role": "user", "content": "x"}])
+    with pytest.raises(ArtifactError, match="must be a string"):
+        from deepinfer.runtime.chat import load_chat_template
+        (tmp_path / "e").mkdir()
+        (tmp_path / "e" / "tokenizer_config.json").write_text(json.dumps({"chat_template": 3}))
+        load_chat_template(tmp_path / "e", {"tokenizer_config.json"})
+    assert CHAT_TEMPLATE.startswith("{% set ns")
