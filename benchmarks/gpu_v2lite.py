@@ -18,9 +18,11 @@ rewritten after each one, so a device call cut short by its time limit still ret
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -69,6 +71,7 @@ def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: t
     from deepinfer.compile.graphs import export_graph, plan_graphs
     from deepinfer.compile.options import CompileOptions, make_layout, resolve
     from deepinfer.compile.weights import shard_specs
+    from deepinfer.runtime.artifact import compile_exported
     from deepinfer.runtime.engine import Engine
     from deepinfer.runtime.model_runner import ModelRunner
 
@@ -76,12 +79,19 @@ def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: t
     hf_cfg = DeepseekV3Config(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")})
     t = time.perf_counter()
     torch.manual_seed(0)
-    with torch.device(dev):
-        hf = DeepseekV3ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)        # built in bf16: an fp32 model first would need 63 GB more
+    try:
+        with torch.device(dev):
+            hf = DeepseekV3ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    finally:
+        torch.set_default_dtype(default)
     print(f"random bf16 model on {dev}: {sum(p.numel() for p in hf.parameters()) / 1e9:.2f}B params "
           f"({time.perf_counter() - t:.0f}s)", flush=True)
     opts = CompileOptions(model=Path("v2lite"), out=Path("unused"), backend="cuda", dtype="bfloat16",
-                          decode_buckets=decode, prefill_buckets=prefill, context_buckets=(), context_limit=limit,
+                          # a 128-key decode bucket for the TPOT rows (32-token prompts + 33 tokens): with the
+                          # limit's bucket only, every decode step would read 2112 keys' latents a layer
+                          decode_buckets=decode, prefill_buckets=prefill, context_buckets=(128,), context_limit=limit,
                           num_kv_blocks=(limit // 16) * max(decode))
     cc = resolve(opts, m)
     layout = make_layout(m, cc)
@@ -91,7 +101,7 @@ def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: t
     graphs, entries = {}, []
     for plan in plan_graphs(m, cc):
         ep, _ = export_graph(plan)
-        graphs[plan.name] = torch.compile(ep.module(), fullgraph=True, dynamic=False)
+        graphs[plan.name] = compile_exported(ep, dev)
         entries.append(GraphEntry(name=plan.name, region=plan.spec.region, kind=plan.spec.kind,
                                   tokens=plan.spec.tokens, context=plan.spec.context, file="", ir_sha256="",
                                   graph_hash="", file_sha256="", inputs=plan.inputs, weights=plan.weights,
@@ -105,6 +115,14 @@ def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: t
         from deepinfer.runtime.cuda_graphs import StepGraphs
         runner.step_graphs = StepGraphs(runner)
     return hf, Engine(manifest, runner, None), m
+
+
+def sync_quietly(dev: torch.device) -> None:
+    """After a failed measurement: let the device finish (a CUDA error that is sticky shows here, once)."""
+    try:
+        sync(dev)
+    except Exception as e:
+        print(f"device sync after the error: {e}", flush=True)
 
 
 def random_prompts(g: torch.Generator, b: int, length: int, vocab: int) -> list[list[int]]:
@@ -193,17 +211,27 @@ def main() -> None:
                          "measured are listed as skipped")
     ap.add_argument("--out", default=None, help="write the table (markdown) here, rewritten after every row")
     args = ap.parse_args()
+    faulthandler.enable()            # a crash in native code still prints where it was
     import_deepinfer()
     t0 = time.monotonic()
+
+    def write(lines: list[str]) -> None:
+        if args.out:
+            Path(args.out).write_text("\n".join(lines) + "\n")
+
     dev = torch.device(args.device)
     cfg = json.loads(Path(args.config).read_text())
     ttft_lens, batches = (512, 2048), (1, 8, 32)
     if args.tiny:
         cfg |= TINY
         ttft_lens, batches = (64, 256), (1, 4)
-    hf, engine, m = build(cfg, dev, decode=tuple(batches), prefill=(min(512, ttft_lens[-1]),),
-                          limit=max(ttft_lens) + 64 if not args.tiny else 512)
-    bw, roof = roofline(m, dev, batches)
+    try:
+        hf, engine, m = build(cfg, dev, decode=tuple(batches), prefill=(min(512, ttft_lens[-1]),),
+                              limit=max(ttft_lens) + 64 if not args.tiny else 512)
+        bw, roof = roofline(m, dev, batches)
+    except BaseException as e:
+        write([f"build failed after {time.monotonic() - t0:.0f} s: {type(e).__name__}: {e}"])
+        raise
     ours = Ours(engine, dev, m.vocab_size, args.tokens)
     ref = None if args.skip_hf else Transformers(hf, dev, m.vocab_size, args.tokens)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -215,10 +243,19 @@ def main() -> None:
     def emit(line: str) -> None:
         lines.append(line)
         print(line, flush=True)
-        if args.out:
-            Path(args.out).write_text("\n".join(lines) + "\n")
+        write(lines)
+
+    def measure(engine_rows, what: str, x: int) -> float | str:
+        """One engine's figure, or the error's first line (the other engine and the later rows still run)."""
+        try:
+            return getattr(engine_rows, what)(x)
+        except Exception as e:
+            traceback.print_exc()
+            sync_quietly(dev)
+            return f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
 
     print("\n".join(lines), flush=True)
+    write(lines)
     # The headline numbers first, so that a call cut short by its time limit still has them.
     plan = [("tpot", batches[0]), ("ttft", ttft_lens[0]), ("tpot", batches[-1]), ("ttft", ttft_lens[-1])]
     plan += [("tpot", b) for b in batches[1:-1]]
@@ -228,14 +265,22 @@ def main() -> None:
             emit(f"| {label} | skipped (budget {args.budget_s:.0f} s spent) | | | |")
             continue
         t = time.monotonic()
-        mine = getattr(ours, what)(x)
-        theirs = getattr(ref, what)(x) if ref else None
+        mine = measure(ours, what, x)
+        theirs = measure(ref, what, x) if ref else None
         roof_s = f"{roof[x] * 1e3:.2f} ms" if what == "tpot" else ""
-        fmt = (lambda v: f"{v * 1e3:.2f} ms") if what == "tpot" else (lambda v: f"{v * 1e3:.1f} ms")
-        emit(f"| {label} | {fmt(mine)} | {fmt(theirs) if theirs else '-'} | "
-             f"{f'{theirs / mine:.2f}x' if theirs else '-'} | {roof_s} |")
+        digits = 2 if what == "tpot" else 1
+
+        def fmt(v) -> str:
+            return "-" if v is None else v if isinstance(v, str) else f"{v * 1e3:.{digits}f} ms"
+        both = isinstance(mine, float) and isinstance(theirs, float)
+        emit(f"| {label} | {fmt(mine)} | {fmt(theirs)} | {f'{theirs / mine:.2f}x' if both else '-'} | {roof_s} |")
         print(f"  ({label}: {time.monotonic() - t:.0f} s, compiles included; {time.monotonic() - t0:.0f} s so far)",
               flush=True)
+    from deepinfer.runtime import ops
+    if ops._NATIVE_FAILED:
+        emit("")
+        emit(f"note: torch._grouped_mm did not run for {sorted(f'{d} {t}' for d, t in ops._NATIVE_FAILED)}: our MoE "
+             f"experts took the masked loop (a full GEMM per expert), so these are not the grouped path's numbers")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def verify_files(art: Artifact) -> None:
 
 def verify_toolchain(m: Manifest) -> None:
     tc = m.toolchain
-    if tc.backend in ("cpu", "eager") and tc.torch != torch.__version__:
+    # exported programs (eager, cuda) and AOTInductor packages (cpu) load with the torch that wrote them
+    if tc.backend in ("cpu", "eager", "cuda") and tc.torch != torch.__version__:
         raise ArtifactError(f"artifact was compiled with torch {tc.torch}, this is torch {torch.__version__}; "
                             f"recompile it here")
     if tc.backend == "cpu":
@@ -90,12 +91,31 @@ def load_graph(art: Artifact, g: GraphEntry, device: torch.device, rank: int = 0
         # the same path compiles for the CPU (used to test it without a GPU).
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ArtifactError("this artifact's backend is cuda, but no CUDA device is available here")
-        return torch.compile(torch.export.load(path).module(), fullgraph=True, dynamic=False)
+        return compile_exported(torch.export.load(path), device)
     if backend == "neuron":
         from .neuron import NeuronGraph, check_finished
         check_finished(art)
         return NeuronGraph(art, g, core=rank)     # each rank claims the NeuronCore of its rank
     raise ArtifactError(f"manifest backend {backend!r} is unknown")
+
+
+def compile_exported(ep: torch.export.ExportedProgram, device: torch.device) -> GraphFn:
+    """An exported graph compiled at load for `device` (the cuda backend)."""
+    return torch.compile(exported_on(ep, device).module(), fullgraph=True, dynamic=False)
+
+
+def exported_on(ep: torch.export.ExportedProgram, device: torch.device) -> torch.export.ExportedProgram:
+    """The program for inputs on `device`. Graphs are traced on the CPU, and non-strict export writes device=cpu
+    into every node that makes a tensor (arange, zeros) or checks one (the _assert_tensor_metadata after each
+    .to(dtype)): compiled as they are, the first call with CUDA inputs stops at "Tensor device mismatch". So the
+    program moves to the device first, with its index spelled out (a node's `cuda` would not match the inputs'
+    `cuda:0` either)."""
+    if device.type == "cpu":
+        return ep
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    from torch.export.passes import move_to_device_pass
+    return move_to_device_pass(ep, device)
 
 
 def _load_aoti(path: str):

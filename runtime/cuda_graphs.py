@@ -34,7 +34,8 @@ class StepGraphs:
                 r.forward(DECODE, si.tokens, si.context, *static)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        # thread_local: the server's other threads may touch CUDA (a tokenizer, metrics) while this one captures
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             out = r.forward(DECODE, si.tokens, si.context, *static)
         return g, static, out
 

@@ -11,7 +11,11 @@ graph (20-60 us a call measured here, tens of calls a decode step). The `*_torch
 do not need the kernels, callable directly.
 """
 
+import logging
+
 import torch   # no `from __future__ import annotations`: custom_op reads the annotations as real types
+
+log = logging.getLogger("deepinfer")
 
 _NATIVE_FAILED: set[tuple[str, torch.dtype]] = set()
 
@@ -41,8 +45,10 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
             if _swap_operands(x, w):
                 return torch._grouped_mm(w.transpose(1, 2), x.t(), offs=offs).t().contiguous()
             return torch._grouped_mm(x, w, offs=offs)
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError) as e:
             _NATIVE_FAILED.add(key)
+            log.warning("torch._grouped_mm does not run for %s %s here (%s); the MoE experts take a masked loop "
+                        "(a full GEMM per expert: correct, much slower)", *key, str(e).splitlines()[0][:200])
     rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
     group = torch.searchsorted(offs, rows, right=True)                      # [M], G = past the last group
     out = x.new_zeros(x.shape[0], w.shape[-1])

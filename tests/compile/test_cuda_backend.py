@@ -3,12 +3,44 @@ here; CUDA-graph replay of decode steps needs a GPU and is exercised by benchmar
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from checkpoints import hf_greedy, hf_model
+import pytest
+import torch
+
+from checkpoints import TINY, hf_greedy, hf_model
 from deepinfer.common.manifest import Manifest
+from deepinfer.common.model_config import ModelConfig
+from deepinfer.compile.graphs import example_inputs, export_graph, plan_graphs
+from deepinfer.compile.options import CompileOptions, resolve
+from deepinfer.runtime.artifact import exported_on
 from deepinfer.runtime.engine import Engine
 from deepinfer.runtime.sequence import SamplingParams
+
+
+def test_graphs_move_to_the_device_before_compiling():
+    """Export traces on the CPU and bakes device=cpu into the nodes that make or check tensors; compiled as is,
+    a graph refuses inputs on another device. The meta device stands in for cuda:0 here (Dynamo's device check
+    is the same): unmoved, the first call fails; moved, it runs and its outputs are on the device."""
+    m = ModelConfig.from_hf_dict(dict(TINY, model_type="deepseek_v3"))
+    cc = resolve(CompileOptions(model=Path("tiny"), out=Path("unused"), backend="cuda", decode_buckets=(2,),
+                                prefill_buckets=(16,), context_limit=64, context_buckets=()), m)
+    plan = next(p for p in plan_graphs(m, cc) if p.spec.region == "moe_layer" and p.spec.kind == "decode")
+    ep, _ = export_graph(plan)
+
+    def cpu_nodes(program):
+        return [n for n in program.graph.nodes if n.op == "call_function" and any(
+            isinstance(v, torch.device) and v.type == "cpu" for v in n.kwargs.values())]
+    assert cpu_nodes(ep)                     # what the move is for
+    args = example_inputs(plan, device="meta")
+    with pytest.raises(Exception, match="(?i)device"):
+        torch.compile(ep.module(), backend="eager", fullgraph=True, dynamic=False)(*args)
+    moved = exported_on(ep, torch.device("meta"))
+    assert not cpu_nodes(moved)
+    out = torch.compile(moved.module(), backend="eager", fullgraph=True, dynamic=False)(*args)
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    assert outs and all(o.device.type == "meta" for o in outs)
+    assert exported_on(ep, torch.device("cpu")) is ep
 
 
 @pytest.mark.slow
