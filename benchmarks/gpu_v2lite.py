@@ -192,6 +192,43 @@ class Transformers:
         return (tn - t1) / self.n
 
 
+def check(engine, hf, dev: torch.device, vocab: int, n: int = 8, k: int = 8) -> str:
+    """Are the timed numbers the right computation? n prompts of 32 tokens, k greedy tokens each: every decode
+    step's CUDA-graph replay against the same step launched kernel by kernel, and our tokens against
+    transformers' greedy `generate` on the same weights (bf16 both: near-ties may differ, so the common prefix
+    is reported, not asserted)."""
+    from deepinfer.runtime.sequence import SamplingParams
+    ps = random_prompts(torch.Generator().manual_seed(5), n, 32, vocab)
+    sg = engine.runner.step_graphs
+    if sg is not None:
+        sg.check, sg.checks = True, {}
+    try:
+        ours = [s.output_ids for s in engine.generate(ps, SamplingParams(max_tokens=k, ignore_eos=True))]
+    finally:
+        if sg is not None:
+            sg.check = False
+    parts = []
+    if hf is not None:
+        with torch.inference_mode():
+            x = torch.tensor(ps, device=dev)
+            theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k,
+                                 do_sample=False)[:, 32:].tolist()
+
+        def common(a, b) -> int:
+            return next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
+        prefixes = [common(a, b) for a, b in zip(ours, theirs)]
+        parts.append(f"first tokens equal transformers' for {sum(p > 0 for p in prefixes)}/{n} prompts, common "
+                     f"greedy prefix {sum(prefixes) / n:.1f}/{k} tokens")
+    if sg is None:
+        parts.append("no CUDA graphs on this device")
+    else:
+        parts += [f"CUDA-graph replay vs launches one by one, decode T={t} C={c}: max |dlogit| {w:.3g}, argmax agrees "
+                  f"{a:.0%} ({cnt} steps)" for (t, c), (w, a, cnt) in sorted(sg.checks.items())]
+        parts += [f"capture failed for decode T={t} C={c} (ran without a graph): {why[:160]}"
+                  for (t, c), why in sorted(sg.failed.items())]
+    return "check: " + "; ".join(parts)
+
+
 def roofline(m, dev, batches) -> tuple[float, dict]:
     """Bytes a decode step must read (active weights, with the distinct experts a batch touches) over the
     measured device copy bandwidth."""
@@ -215,9 +252,11 @@ def main() -> None:
     import_deepinfer()
     t0 = time.monotonic()
 
+    notes: list[str] = []          # printed under the table
+
     def write(lines: list[str]) -> None:
         if args.out:
-            Path(args.out).write_text("\n".join(lines) + "\n")
+            Path(args.out).write_text("\n".join(lines + ([""] + notes if notes else [])) + "\n")
 
     dev = torch.device(args.device)
     cfg = json.loads(Path(args.config).read_text())
@@ -276,11 +315,21 @@ def main() -> None:
         emit(f"| {label} | {fmt(mine)} | {fmt(theirs)} | {f'{theirs / mine:.2f}x' if both else '-'} | {roof_s} |")
         print(f"  ({label}: {time.monotonic() - t:.0f} s, compiles included; {time.monotonic() - t0:.0f} s so far)",
               flush=True)
+        if (what, x) == plan[0] and not (args.budget_s and time.monotonic() - t0 > args.budget_s):
+            try:        # right after the first row: its graphs are compiled and captured
+                notes.append(check(engine, None if args.skip_hf else hf, dev, m.vocab_size))
+            except Exception as e:
+                traceback.print_exc()
+                notes.append(f"check failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+            print(notes[-1], flush=True)
+            write(lines)
     from deepinfer.runtime import ops
     if ops._NATIVE_FAILED:
-        emit("")
-        emit(f"note: torch._grouped_mm did not run for {sorted(f'{d} {t}' for d, t in ops._NATIVE_FAILED)}: our MoE "
-             f"experts took the masked loop (a full GEMM per expert), so these are not the grouped path's numbers")
+        notes.append(f"note: torch._grouped_mm did not run for {sorted(f'{d} {t}' for d, t in ops._NATIVE_FAILED)}: "
+                     f"our MoE experts took the masked loop (a full GEMM per expert), so these are not the grouped "
+                     f"path's numbers")
+        print(notes[-1], flush=True)
+        write(lines)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,10 @@ tokenizer_config.json's `chat_template` (a string, or a list of named templates:
 from __future__ import annotations
 
 import json
-import logging
 from datetime import datetime
 from pathlib import Path
 
 from ..common.errors import ArtifactError, RequestError
-
-log = logging.getLogger("deepinfer")
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -59,11 +56,12 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         import jinja2
         try:
+            # tools and documents as transformers passes them without any: None, not undefined
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         tools=None, documents=None, **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:     # raise_exception(...) in the template, or a bad message
             raise RequestError(f"the chat template refused the messages: {e}") from None
-        except (TypeError, KeyError, IndexError, ValueError, AttributeError) as e:
+        except Exception as e:           # the template's own arithmetic or lookups on what the client sent
             raise RequestError(f"the chat template could not render the messages ({type(e).__name__}: {e})") from None
 
 
@@ -76,26 +74,34 @@ def _token_text(v) -> str | None:
     return None
 
 
+def _json_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise ArtifactError(f"{path}: not valid UTF-8 JSON") from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path}: not a JSON object")
+    return data
+
+
 def load_chat_template(tokenizer_dir: Path, files: set[str]) -> ChatTemplate | None:
     """The artifact's chat template (None: it has none). `files`: the artifact's tokenizer file names."""
     config: dict = {}
     if "tokenizer_config.json" in files:
-        try:
-            config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-        except ValueError:
-            raise ArtifactError(f"{tokenizer_dir / 'tokenizer_config.json'}: not valid JSON") from None
+        config = _json_file(tokenizer_dir / "tokenizer_config.json")
     if "chat_template.jinja" in files:
         origin = tokenizer_dir / "chat_template.jinja"
-        source = origin.read_text()
+        try:
+            source = origin.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ArtifactError(f"{origin}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     else:
         origin = tokenizer_dir / "tokenizer_config.json"
         source = config.get("chat_template")
         if isinstance(source, list):           # [{"name": ..., "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             if "default" not in named:
-                log.warning("%s: named chat templates %s but none named 'default': chat is off", origin,
-                            sorted(map(str, named)))
-                return None
+                raise ArtifactError(f"{origin}: named chat templates {sorted(map(str, named))}, none named 'default'")
             source = named["default"]
         if source is None:
             return None
@@ -104,9 +110,6 @@ def load_chat_template(tokenizer_dir: Path, files: set[str]) -> ChatTemplate | N
     # tokenizer_config.json's special tokens, special_tokens_map.json's where it has them (transformers' order)
     special = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
     if "special_tokens_map.json" in files:
-        try:
-            special_map = json.loads((tokenizer_dir / "special_tokens_map.json").read_text())
-        except ValueError:
-            raise ArtifactError(f"{tokenizer_dir / 'special_tokens_map.json'}: not valid JSON") from None
+        special_map = _json_file(tokenizer_dir / "special_tokens_map.json")
         special.update({k: t for k in SPECIAL_TOKENS if (t := _token_text(special_map.get(k))) is not None})
     return ChatTemplate(source, special, str(origin))

@@ -46,6 +46,11 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
                 return torch._grouped_mm(w.transpose(1, 2), x.t(), offs=offs).t().contiguous()
             return torch._grouped_mm(x, w, offs=offs)
         except (RuntimeError, NotImplementedError) as e:
+            # a device fault (AcceleratorError) or a failure inside a CUDA-graph capture says nothing about
+            # whether the op runs here: it goes up as it is
+            if isinstance(e, getattr(torch, "AcceleratorError", ())) or (
+                    x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                raise
             _NATIVE_FAILED.add(key)
             log.warning("torch._grouped_mm does not run for %s %s here (%s); the MoE experts take a masked loop "
                         "(a full GEMM per expert: correct, much slower)", *key, str(e).splitlines()[0][:200])

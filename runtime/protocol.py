@@ -79,6 +79,14 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
     add_generation_prompt: StrictBool = True       # vLLM's extension: end the prompt with the assistant's turn
+    # Accepted at their neutral values only (what clients send by default); store and metadata are ignored.
+    tools: list | None = None
+    tool_choice: StrictStr | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    store: StrictBool | None = None
+    metadata: dict | None = None
     repetition_penalty: Number = 1.0
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0

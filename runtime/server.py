@@ -126,15 +126,21 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(request: Request):
         body = await _json(request)
-        try:
-            creq = ChatCompletionRequest.model_validate(body)
+        try:    # a field sent as null is a field not sent (the openai client sends nulls for unset arguments)
+            creq = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
             first = e.errors()[0]
             raise RequestError(f"field '{_field(first['loc'])}': {first['msg']}") from None
         if tok is None:
             raise no_tokenizer("a chat request")
         messages = [_message(i, m) for i, m in enumerate(creq.messages)]
-        ids = tok.encode_chat(messages, creq.add_generation_prompt)
+        for name, neutral in (("tools", []), ("logit_bias", {}), ("response_format", {"type": "text"})):
+            if getattr(creq, name) not in (None, neutral):
+                raise RequestError(f"field '{name}' is not supported (only {json.dumps(neutral)})")
+        if creq.tool_choice not in (None, "none", "auto"):
+            raise RequestError("field 'tool_choice' is not supported (no tools: only 'none' or 'auto')")
+        # a template is a program: rendering runs off the event loop, as tokenizing does
+        ids = await asyncio.to_thread(tok.encode_chat, messages, creq.add_generation_prompt)
         if not ids:
             raise RequestError("the chat template rendered these messages as an empty prompt")
         if creq.max_tokens is not None and creq.max_completion_tokens is not None and \
@@ -148,7 +154,8 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                 raise RequestError(f"field 'top_logprobs'={creq.top_logprobs} must be between 0 and {MAX_LOGPROBS}")
         # the rest is a completion request for the rendered prompt
         fields = creq.model_dump(exclude={"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-                                          "add_generation_prompt", "stream_options"})
+                                          "add_generation_prompt", "stream_options", "tools", "tool_choice",
+                                          "parallel_tool_calls", "logit_bias", "response_format", "store", "metadata"})
         req = CompletionRequest(**fields, prompt=ids, stream_options=creq.stream_options,
                                 max_tokens=creq.max_tokens if creq.max_completion_tokens is None
                                 else creq.max_completion_tokens,
@@ -253,7 +260,10 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                               logprobs=req.logprobs)
 
     def _message(i: int, m: ChatMessage) -> dict:
-        msg = m.model_dump()
+        # fields sent as null are left out, as transformers' apply_chat_template does (templates test `is defined`)
+        msg = {k: v for k, v in m.model_dump().items() if v is not None}
+        if m.role == "developer":      # OpenAI's newer name for the system role, which templates know
+            msg["role"] = "system"
         if isinstance(m.content, list):
             bad = next((p.type for p in m.content if p.type != "text" or p.text is None), None)
             if bad is not None:
@@ -350,10 +360,13 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
 
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(i: int, text: str, finish: str | None, lp: dict | None, role: bool = False) -> str:
-            if chat:    # the first chunk of each choice names the role
-                choice = {"index": i, "delta": {"role": "assistant", "content": text} if role else {"content": text},
-                          "logprobs": lp, "finish_reason": finish}
+        named = [False] * len(streams)
+
+        def chunk(i: int, text: str, finish: str | None, lp: dict | None) -> str:
+            if chat:    # a choice's first chunk, which carries its first token (clients time TTFT by it), names the role
+                delta = {"content": text} if named[i] else {"role": "assistant", "content": text}
+                named[i] = True
+                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
             body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
@@ -364,9 +377,6 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             if req.echo:
                 for i in range(len(streams)):
                     yield chunk(i, texts[i // req.n] or (tok.decode(prompts[i // req.n]) if tok else ""), None, None)
-            if chat:
-                for i in range(len(streams)):
-                    yield chunk(i, "", None, None, role=True)
             while remaining:
                 i, ev = await merged.get()
                 if isinstance(ev, BaseException):

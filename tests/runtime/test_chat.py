@@ -61,6 +61,10 @@ def test_template_sources_and_special_tokens(tmp_path):
     ours, _ = artifact_tokenizer(tmp_path / "b", config={"chat_template": [
         {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ messages|length }}"}]})
     assert ours.chat_template.render([{"role": "user", "content": "x"}]) == "D1"
+    # tools and documents are None, not undefined, as transformers renders without them
+    ours, _ = artifact_tokenizer(tmp_path / "c", config={
+        "chat_template": "{% if tools is not none %}TOOLS{% endif %}{% if documents is none %}x{% endif %}"})
+    assert ours.chat_template.render([]) == "x"
 
 
 def test_no_template_and_broken_templates_are_named(tmp_path):
@@ -78,6 +82,13 @@ def test_no_template_and_broken_templates_are_named(tmp_path):
         ours.encode_chat([{"role": "tool", "content": "x"}])
     with pytest.raises(RequestError, match="could not render"):
         ours.encode_chat([{"role": "user", "content": None}])
+    ours, _ = artifact_tokenizer(tmp_path / "c2", config={"chat_template": "{{ 1 / (messages|length - 1) }}"})
+    with pytest.raises(RequestError, match="ZeroDivisionError"):
+        ours.encode_chat([{"role": "user", "content": "x"}])
+    # named templates without a "default": chat is off, and says which names there are
+    ours, _ = artifact_tokenizer(tmp_path / "c3", config={"chat_template": [{"name": "rag", "template": "R"}]})
+    with pytest.raises(RequestError, match=r"chat is off.*\['rag'\]"):
+        ours.encode_chat([{"role": "user", "content": "x"}])
     # a template cannot reach Python internals (sandboxed)
     ours, _ = artifact_tokenizer(tmp_path / "d", config={"chat_template": "{{ messages.__class__.__mro__ }}"})
     with pytest.raises(RequestError):

@@ -173,6 +173,14 @@ def test_chat_completions_are_completions_of_the_chat_templates_prompt(server):
     a, b = (post(server, {"messages": m, "max_tokens": 4, "temperature": 0}, path="/v1/chat/completions").json()
             for m in (parts, joined))
     assert a["usage"] == b["usage"] and a["choices"][0]["message"] == b["choices"][0]["message"]
+    # what clients send by default changes nothing: nulls, neutral tool and format fields, 'developer' = 'system'
+    plain = {"messages": messages, "max_tokens": 4, "temperature": 0}
+    extras = {"messages": [{"role": "developer", "content": "Be brief.", "name": None}, messages[1]],
+              "max_tokens": 4, "temperature": 0, "stop": None, "n": None, "top_p": None, "tools": [],
+              "tool_choice": "none", "parallel_tool_calls": False, "response_format": {"type": "text"},
+              "logit_bias": {}, "store": False, "metadata": {"k": "v"}}
+    a, b = (post(server, body, path="/v1/chat/completions").json() for body in (plain, extras))
+    assert a["usage"] == b["usage"] and a["choices"][0]["message"] == b["choices"][0]["message"], b
 
 
 @pytest.mark.parametrize("body,fragment", [
@@ -186,7 +194,11 @@ def test_chat_completions_are_completions_of_the_chat_templates_prompt(server):
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4}, "disagree"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "other"}, "not served"),
     ({"messages": [{"role": "user", "content": "x" * 200}]}, "context limit"),
 ])
