@@ -8,6 +8,8 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 import torch
 
 from ..common.errors import RequestError
@@ -104,6 +106,35 @@ class Engine:
             import torch.distributed as dist
             if dist.is_initialized() and not self.torchrun:
                 dist.destroy_process_group()
+
+    def warmup(self, log=None) -> int:
+        """Run every compiled step shape once on padding (its writes go to the KV pool's trash block), so that
+        what the first use of a shape costs is paid before serving: the cuda backend compiles its graphs at first
+        use and captures each decode bucket as a CUDA graph (minutes on a GPU, which would otherwise fall on the
+        first requests of each bucket). Prefill shapes run with both heads (one logits row, and the packed one).
+        Returns the steps run."""
+        from ..common.manifest import DENSE_LAYER, HEAD, MOE_LAYER, PREFILL, graph_name
+        cc = self.manifest.compile
+        shapes = sorted({(g.kind, g.tokens, g.context) for g in self.manifest.graphs
+                         if g.region in (DENSE_LAYER, MOE_LAYER)})
+        runs = []
+        for kind, T, C in shapes:
+            runs.append((kind, T, C, 1))
+            rows = cc.prefill_seqs(T)
+            if kind == PREFILL and rows > 1 and graph_name(HEAD, kind, T, logit_rows=rows) in self.runner.graphs:
+                runs.append((kind, T, C, rows))
+        for i, (kind, T, C, rows) in enumerate(runs):
+            t = time.perf_counter()
+            si = build_inputs(ScheduledStep(kind, T, C, ()), cc)
+            if rows > 1:
+                si.logit_indices = np.zeros(rows, np.int64)
+            if self.followers is not None:
+                self.followers.publish(si)
+            self.runner.run(si)
+            if log is not None:
+                log(f"warm-up {i + 1}/{len(runs)}: {kind} {T} tokens, context {C}"
+                    + (f", {rows} logit rows" if rows > 1 else "") + f" ({time.perf_counter() - t:.1f} s)")
+        return len(runs)
 
     # -- requests ---------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

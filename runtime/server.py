@@ -8,6 +8,7 @@ import json
 import logging
 import secrets
 import signal
+import time
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
@@ -423,7 +424,7 @@ def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
 
 def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           device: str = "cpu", max_waiting: int = 256, timing: bool = False,
-          torchrun: tuple[int, int] | None = None, max_prefill_streak: int = 4) -> None:
+          torchrun: tuple[int, int] | None = None, max_prefill_streak: int = 4, warmup: bool = False) -> None:
     """Serve until SIGINT/SIGTERM (graceful: stop accepting, let in-flight requests finish for up to 30 s,
     abort the rest, stop the followers) or until a rank fails (then raise, naming it)."""
     import uvicorn
@@ -438,6 +439,15 @@ def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_
                                   max_prefill_streak=max_prefill_streak, torchrun=torchrun)
     if engine is None:      # a torchrun follower rank
         return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if warmup:              # before the port opens: /health answers once every shape has run
+        t = time.perf_counter()
+        try:
+            n = engine.warmup(log.info)
+        except BaseException:
+            engine.close()
+            raise
+        log.info("warm-up: %d step shapes in %.1f s", n, time.perf_counter() - t)
     metrics = Metrics(engine.manifest.compile.num_kv_blocks)
     server: Server | None = None
 
@@ -448,7 +458,6 @@ def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_
     loop = EngineLoop(engine, on_step=metrics.on_step, on_abort=metrics.on_abort, on_fatal=fatal)
     loop.start()
     app = build_app(loop, engine.manifest.name, metrics, api_key)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("serving %s (%s) on http://%s:%d%s", engine.manifest.name, artifacts, host, port,
              " (API key required on /v1)" if api_key else "")
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30))

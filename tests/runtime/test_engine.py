@@ -206,3 +206,23 @@ print(applied, near, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         assert applied and near and faults < 256, (applied, near, faults)
     else:
         assert not applied and not near, (applied, near)
+
+
+def test_warmup_runs_every_step_shape_on_padding_and_changes_nothing(artifact, engine):
+    """The server's start-up warm-up (on by default off the CPU): every graph but the static path's dense rerun
+    runs once, on padding only, and the engine then generates exactly what an engine without it does."""
+    want = [s.output_ids for s in engine.generate(prompts([3, 40, 9]), GREEDY)]
+    warm = Engine.from_artifact(artifact)
+    calls = {name: 0 for name in warm.runner.graphs}
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+    warm.runner.graphs = {name: counted(name, fn) for name, fn in warm.runner.graphs.items()}
+    free = warm.scheduler.blocks.num_free
+    steps = warm.warmup(log=lambda line: None)
+    assert steps >= len(warm.manifest.compile.decode_buckets) and warm.scheduler.blocks.num_free == free
+    assert [name for name, n in calls.items() if n == 0 and not name.startswith("moe_dense")] == []
+    assert [s.output_ids for s in warm.generate(prompts([3, 40, 9]), GREEDY)] == want

@@ -348,8 +348,10 @@ def _is_valid(d: dict) -> bool:
 
 
 def test_sigterm_shuts_down_gracefully(checkpoints, compile_artifact):
+    """Also the start-up warm-up (--warmup; on by default on GPUs) with followers: every step shape runs on all
+    ranks before the port opens."""
     art = compile_artifact(checkpoints["base"], cp=2, ep=2)
-    proc, base = start_server(art)
+    proc, base = start_server(art, "--warmup")
     r = httpx.post(base + "/v1/completions", json={"prompt": [4, 5], "max_tokens": 4, "temperature": 0}, timeout=60)
     assert r.status_code == 200
     children = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "follower_main"], capture_output=True,
@@ -357,5 +359,7 @@ def test_sigterm_shuts_down_gracefully(checkpoints, compile_artifact):
     assert children, "the multi-rank server should have spawned a follower"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
+    log = proc.stdout.read()
+    assert "warm-up 1/" in log and "step shapes in" in log, log[-2000:]
     for pid in children:
         assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0, "follower left running"
