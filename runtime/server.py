@@ -30,7 +30,14 @@ MAX_LOGPROBS = 20
 INT64 = (-(2 ** 63), 2 ** 63 - 1)
 
 
+MAX_BODY_BYTES = 16 << 20     # a request body (the longest prompt the context allows is far smaller)
+
+
 class Unauthorized(Exception):
+    pass
+
+
+class BodyTooLarge(Exception):
     pass
 
 
@@ -57,6 +64,11 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
     async def _unauthorized(request, exc: Unauthorized):
         metrics.rejected.labels("401").inc()
         return _err(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error")
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request, exc: BodyTooLarge):
+        metrics.rejected.labels("413").inc()
+        return _err(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
 
     @app.exception_handler(RequestError)
     async def _bad(request, exc: RequestError):
@@ -186,7 +198,16 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
 
     # -- helpers --------------------------------------------------------------------------------
     async def _json(request: Request) -> dict:
-        raw = await request.body()
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise BodyTooLarge()
+        parts, size = [], 0
+        async for part in request.stream():      # read up to the cap, not whatever a client sends
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                raise BodyTooLarge()
+            parts.append(part)
+        raw = b"".join(parts)
         try:
             body = json.loads(raw, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError) as e:

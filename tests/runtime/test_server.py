@@ -226,6 +226,20 @@ def test_malformed_json_auth_and_models(server):
     assert post(server, {"prompt": "Hello", "add_special_tokens": "no"}, path="/tokenize").status_code == 400
 
 
+def test_oversized_bodies_are_413s_and_the_server_keeps_serving(server):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    big = b'{"prompt": "' + b"a" * (17 << 20) + b'"}'
+    r = httpx.post(server["base"] + "/v1/completions", content=big, headers=headers, timeout=60)
+    assert r.status_code == 413 and "MiB" in r.json()["error"]["message"]
+
+    def chunks():           # no Content-Length: the cap holds while reading
+        for _ in range(17):
+            yield b" " * (1 << 20)
+    r = httpx.post(server["base"] + "/v1/chat/completions", content=chunks(), headers=headers, timeout=60)
+    assert r.status_code == 413
+    assert post(server, {"prompt": [5, 6], "max_tokens": 2}).status_code == 200
+
+
 def test_tiny_temperature_is_greedy_not_a_failed_step(server):
     """1e-40 overflows logits / temperature to inf; it must behave as greedy (as vLLM), not fail the batch."""
     body = {"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True}
