@@ -337,6 +337,11 @@ def main() -> None:
                 notes.append(f"check failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
             print(notes[-1], flush=True)
             write(lines)
+    from torch._dynamo.utils import counters
+    notes.append(f"torch.compile: {counters['stats'].get('unique_graphs', 0)} graphs compiled, "
+                 f"{sum(counters['recompiles'].values())} recompiles; {time.monotonic() - t0:.0f} s in all")
+    print(notes[-1], flush=True)
+    write(lines)
     from deepinfer.runtime import ops
     if ops._NATIVE_FAILED:
         notes.append(f"note: torch._grouped_mm did not run for {sorted(f'{d} {t}' for d, t in ops._NATIVE_FAILED)}: "
