@@ -48,21 +48,25 @@ class StepGraphs:
             out = r.forward(DECODE, si.tokens, si.context, *static)
         return g, static, out
 
+    def _launched(self, si: StepInputs) -> torch.Tensor:
+        """The step without a graph: its kernels launched one by one."""
+        r = self.runner
+        return r.forward(DECODE, si.tokens, si.context, *r.to_device(si))
+
     def run(self, si: StepInputs) -> torch.Tensor:
         key = (si.tokens, si.context)
-        r = self.runner
         if key in self.failed:
-            return r.forward(DECODE, si.tokens, si.context, *r.to_device(si))
+            return self._launched(si)
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(si)
+            except torch.AcceleratorError:
+                raise                    # a device fault is not a capture problem
             except Exception as e:      # once per bucket, not at every step: that bucket runs without a graph
-                if isinstance(e, getattr(torch, "AcceleratorError", ())):
-                    raise                # a device fault is not a capture problem
                 self.failed[key] = f"{type(e).__name__}: {e}"
                 log.warning("decode bucket %s: CUDA-graph capture failed (%s); its steps launch kernel by kernel",
                             key, self.failed[key][:300])
-                return r.forward(DECODE, si.tokens, si.context, *r.to_device(si))
+                return self._launched(si)
         g, static, out = self.graphs[key]
         # context_starts is a prefill-only input: its static buffer exists for forward()'s signature only
         for buf, src in zip(static, (si.token_ids, si.positions, si.slot_mapping, si.block_tables,
@@ -71,7 +75,7 @@ class StepGraphs:
         g.replay()
         if self.check:
             n = si.num_logits
-            ref = r.forward(DECODE, si.tokens, si.context, *r.to_device(si))[:n].float()
+            ref = self._launched(si)[:n].float()
             got = out[:n].float()
             diff = float((got - ref).abs().max())
             agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())

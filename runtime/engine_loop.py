@@ -20,11 +20,6 @@ from ..common.errors import CapacityError, DeepinferError, RankFailure
 from .engine import Engine
 from .sequence import SamplingParams, Sequence
 
-# A CUDA error (an illegal address, a failed launch) is sticky: every later call in the process fails too, so
-# the engine stops (and the server with it) instead of failing each new request in turn.
-DEVICE_FAULTS: tuple[type[BaseException], ...] = tuple(
-    t for t in (getattr(torch, "AcceleratorError", None),) if t is not None)
-
 log = logging.getLogger("deepinfer.engine")
 
 
@@ -150,7 +145,9 @@ class EngineLoop:
         t = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except (RankFailure, *DEVICE_FAULTS):   # a dead rank, or a device error CUDA keeps for every later call
+        except (RankFailure, torch.AcceleratorError):
+            # a dead rank, or a device error (an illegal address, a failed launch), which CUDA keeps for every
+            # later call: the engine stops (and the server with it) instead of failing each new request in turn
             raise
         except Exception as e:  # a failed step fails the requests it held, not the server
             log.exception("engine step failed")

@@ -48,7 +48,7 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
         except (RuntimeError, NotImplementedError) as e:
             # a device fault (AcceleratorError) or a failure inside a CUDA-graph capture says nothing about
             # whether the op runs here: it goes up as it is
-            if isinstance(e, getattr(torch, "AcceleratorError", ())) or (
+            if isinstance(e, torch.AcceleratorError) or (
                     x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 raise
             _NATIVE_FAILED.add(key)

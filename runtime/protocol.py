@@ -19,12 +19,11 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False
 
 
-class CompletionRequest(BaseModel):
+class SamplingFields(BaseModel):
+    """The fields both endpoints take as they are (a chat request becomes a completion request with these)."""
     model_config = ConfigDict(extra="forbid")
 
-    prompt: Prompt
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = 16
     temperature: Number = 1.0
     top_p: Number = 1.0
     top_k: StrictInt = -1
@@ -32,8 +31,6 @@ class CompletionRequest(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False
     n: StrictInt = 1
-    echo: StrictBool = False
-    logprobs: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -41,6 +38,13 @@ class CompletionRequest(BaseModel):
     repetition_penalty: Number = 1.0
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: StrictInt | None = 16
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
 
 
@@ -59,25 +63,12 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[ContentPart] | None = None
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    temperature: Number = 1.0
-    top_p: Number = 1.0
-    top_k: StrictInt = -1
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    ignore_eos: StrictBool = False
-    n: StrictInt = 1
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
     add_generation_prompt: StrictBool = True       # vLLM's extension: end the prompt with the assistant's turn
     # Accepted at their neutral values only (what clients send by default); store and metadata are ignored.
     tools: list | None = None
@@ -87,9 +78,6 @@ class ChatCompletionRequest(BaseModel):
     response_format: dict | None = None
     store: StrictBool | None = None
     metadata: dict | None = None
-    repetition_penalty: Number = 1.0
-    presence_penalty: Number = 0.0
-    frequency_penalty: Number = 0.0
 
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:

@@ -20,7 +20,8 @@ from ..common.errors import CapacityError, RankFailure, RequestError
 from .engine import Engine
 from .engine_loop import EngineLoop, Stream, TokenEvent
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, error_body, new_id, now
+from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, error_body, new_id,
+                       now)
 from .sequence import GREEDY_BELOW, SamplingParams
 from .tokenizer import Tokenizer, no_tokenizer
 
@@ -166,10 +167,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             if not 0 <= creq.top_logprobs <= MAX_LOGPROBS:
                 raise RequestError(f"field 'top_logprobs'={creq.top_logprobs} must be between 0 and {MAX_LOGPROBS}")
         # the rest is a completion request for the rendered prompt
-        fields = creq.model_dump(exclude={"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-                                          "add_generation_prompt", "stream_options", "tools", "tool_choice",
-                                          "parallel_tool_calls", "logit_bias", "response_format", "store", "metadata"})
-        req = CompletionRequest(**fields, prompt=ids, stream_options=creq.stream_options,
+        req = CompletionRequest(**{k: getattr(creq, k) for k in SamplingFields.model_fields}, prompt=ids,
                                 max_tokens=creq.max_tokens if creq.max_completion_tokens is None
                                 else creq.max_completion_tokens,
                                 logprobs=(creq.top_logprobs or 0) if creq.logprobs else None)
