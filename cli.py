@@ -170,12 +170,16 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for the graphs (default: all cores offline; one fewer when serving, which leaves "
                    "a core to the HTTP event loop instead of fighting OpenMP's spinning threads for it).")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="Reuse the KV of full blocks earlier requests left in the pool when a prompt starts with the "
+                   "same tokens (shared system prompts, multi-turn chats, repeated prompts): those are not recomputed.")
 @click.option("--warmup/--no-warmup", default=None,
               help="Before serving, run every compiled step shape once (default: on for GPU devices, where graphs "
                    "compile and decode steps are captured at first use; off on the CPU, whose graphs are built).")
 @_errors
 def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos, as_json,
-             verify_only, device, host, port, api_key, max_waiting, max_prefill_streak, threads, warmup):
+             verify_only, device, host, port, api_key, max_waiting, max_prefill_streak, prefix_caching, threads,
+             warmup):
     """Load a compiled artifact and generate (--prompt) or serve OpenAI-compatible /v1/completions and
     /v1/chat/completions."""
     from .runtime.artifact import open_artifact
@@ -195,10 +199,11 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
         from .runtime.server import serve
         serve(artifacts, host=host, port=port, api_key=api_key or os.environ.get("DEEPINFER_API_KEY"),
               device=device, max_waiting=max_waiting, timing=timing, torchrun=_torchrun(),
-              max_prefill_streak=max_prefill_streak, warmup=device != "cpu" if warmup is None else warmup)
+              max_prefill_streak=max_prefill_streak, prefix_caching=prefix_caching,
+              warmup=device != "cpu" if warmup is None else warmup)
         return
     engine = Engine.from_artifact(artifacts, device=device, timing=timing, torchrun=_torchrun(),
-                                  max_prefill_streak=max_prefill_streak)
+                                  max_prefill_streak=max_prefill_streak, prefix_caching=prefix_caching)
     if engine is None:      # a torchrun follower rank: it served the leader until the end
         return
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

@@ -13,7 +13,8 @@ bfloat16 (its own math; faster at batch 1 on this CPU, slower in batches); each 
 faster transformers of the two, column by column; a second row of ours compiles them with --matmul-dtype
 bfloat16 (bf16 products, fp32 sums: transformers' bf16 rounding of the operands, fp32 everything else).
 With --layouts, decode ms/token per cp x ep layout and the collectives' share of a decode step.
-Same threads for everyone (torch.get_num_threads()); each figure is the best of 2-4 rounds in which the engines
+Our engines run without the prefix cache (the rounds repeat their prompts, which it would serve without
+computing them: transformers has no such cache). Same threads for everyone (torch.get_num_threads()); each figure is the best of 2-4 rounds in which the engines
 take turns (this machine's speed drifts over minutes; turns expose all engines to the same drift). Ratios matter
 more than absolute numbers here.
 The roofline row is the best any engine could do on this machine (benchmarks/roofline.py): decode floored by
@@ -146,7 +147,7 @@ def eager_engine(art: Path):
     graphs = {p.name: RegionModule(dataclasses.replace(p.spec, small_gemm_rows=0))
               for p in plan_graphs(m.model, m.compile)}
     runner = ModelRunner(m, graphs, load_weights(a, 0, torch.device("cpu")))
-    return Engine(m, runner, load_tokenizer(a.root, [t.path for t in m.tokenizer], None))
+    return Engine(m, runner, load_tokenizer(a.root, [t.path for t in m.tokenizer], None), prefix_caching=False)
 
 
 def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, backend: str = "cpu",
@@ -228,14 +229,14 @@ def main() -> None:
         bf16 = Checkpoint(ck).stored_matrix_dtype() == "bfloat16"     # the demo model too; compiled as stored
         art = compile_for(ck, work / f"art-{name}", cache)
         hf_fns, impl = transformers_runs(ck, cfg["vocab_size"])
-        eng = Engine.from_artifact(art)
+        eng = Engine.from_artifact(art, prefix_caching=False)
         runs = {"hf": hf_fns, "ours": engine_runs(eng, cfg["vocab_size"]),
                 "eager": engine_runs(eager_engine(art), cfg["vocab_size"])}
         if bf16:
             runs["hf16"] = transformers_runs(ck, cfg["vocab_size"], torch.bfloat16)[0]
             if args.bf16_products:
                 art16 = compile_for(ck, work / f"art-{name}-mm16", cache, matmul_dtype="bfloat16")
-                runs["ours16"] = engine_runs(Engine.from_artifact(art16), cfg["vocab_size"])
+                runs["ours16"] = engine_runs(Engine.from_artifact(art16, prefix_caching=False), cfg["vocab_size"])
         best = interleaved(runs)
         hf, ours, eager = (figures(best[k]) for k in ("hf", "ours", "eager"))
         rows = [("transformers experts=" + impl + (" (fp32)" if bf16 else ""), hf)]
@@ -276,7 +277,7 @@ def main() -> None:
         for lay in args.layouts.split(","):
             cp, ep = (int(x) for x in lay.split("x"))
             art = compile_for(ck, work / f"art-demo-{cp}x{ep}", cache, cp, ep, backend="cpu")
-            eng = Engine.from_artifact(art)
+            eng = Engine.from_artifact(art, prefix_caching=False)
             try:
                 r = bench_engine(eng, cfg["vocab_size"])
                 share = collective_share(eng, cfg["vocab_size"]) if max(cp, ep) > 1 else 0.0

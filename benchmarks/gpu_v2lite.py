@@ -112,7 +112,7 @@ def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: t
     if dev.type == "cuda":
         from deepinfer.runtime.cuda_graphs import StepGraphs
         runner.step_graphs = StepGraphs(runner)
-    return hf, Engine(manifest, runner, None), m
+    return hf, Engine(manifest, runner, None, prefix_caching=False), m
 
 
 class FirstUse:

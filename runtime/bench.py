@@ -18,10 +18,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-def random_prompts(n: int, length: int, vocab: int, seed: int, rank: int = 0) -> list[list[int]]:
-    """Random token prompts; the seed includes the rank so that ranks never route identical batches."""
-    rng = np.random.default_rng([seed, rank])
-    return [rng.integers(2, vocab, size=length).tolist() for _ in range(n)]
+def random_prompts(n: int, length: int, vocab: int, seed: int, *key: int, prefix_len: int = 0) -> list[list[int]]:
+    """Random token prompts of `length` tokens, drawn from (seed, *key): each row of a run gets its own, so the
+    prefix cache never serves one row what an earlier row computed. With prefix_len, all n share their first
+    prefix_len tokens (a system prompt; vllm bench serve's --random-prefix-len)."""
+    rng = np.random.default_rng([seed, *key])
+    prefix = rng.integers(2, vocab, size=min(prefix_len, length)).tolist()
+    return [prefix + rng.integers(2, vocab, size=length - len(prefix)).tolist() for _ in range(n)]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -30,20 +33,21 @@ def pct(xs: list[float], q: float) -> float:
 
 # -- offline -----------------------------------------------------------------------------------------
 def offline(artifact: str, prompt_lens: list[int], concurrency: list[int], max_tokens: int, seed: int,
-            device: str = "cpu") -> list[dict]:
+            device: str = "cpu", prefix_len: int = 0, prefix_caching: bool = True) -> list[dict]:
     from .engine import Engine
     from .sequence import SamplingParams
-    engine = Engine.from_artifact(artifact, device=device)
+    engine = Engine.from_artifact(artifact, device=device, prefix_caching=prefix_caching)
     rows = []
     try:
         vocab = engine.manifest.model.vocab_size
         limit = engine.manifest.compile.context_limit
-        engine.generate(random_prompts(1, 8, vocab, seed), SamplingParams(max_tokens=4, ignore_eos=True))  # warm
+        engine.generate(random_prompts(1, 8, vocab, seed, 1), SamplingParams(max_tokens=4, ignore_eos=True))  # warm
         for plen in prompt_lens:
             for conc in concurrency:
                 if plen + max_tokens > limit:
                     continue
-                prompts = random_prompts(conc, plen, vocab, seed)
+                prompts = random_prompts(conc, plen, vocab, seed, 2, plen, conc, prefix_len=prefix_len)
+                hits = engine.scheduler.blocks.hits
                 params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
                 t0 = time.monotonic()
                 seqs = [engine.add_request(p, params) for p in prompts]
@@ -58,7 +62,8 @@ def offline(artifact: str, prompt_lens: list[int], concurrency: list[int], max_t
                 rows.append({"prompt_len": plen, "concurrency": conc, "ttft_ms_median": 1e3 * statistics.median(ttft),
                              "ttft_ms_p99": 1e3 * pct(ttft, 99), "tpot_ms_median": 1e3 * statistics.median(tpot),
                              "tpot_ms_p99": 1e3 * pct(tpot, 99),
-                             "output_tok_s": conc * max_tokens / wall, "wall_s": wall})
+                             "output_tok_s": conc * max_tokens / wall, "wall_s": wall,
+                             "cached_pct": 100.0 * (engine.scheduler.blocks.hits - hits) / (conc * plen)})
     finally:
         engine.close()
     return rows
@@ -110,13 +115,13 @@ async def _one(client, url: str, body: dict, headers: dict) -> Result:
 
 
 async def _online(base_url: str, model: str | None, prompt_len: int, max_tokens: int, num_requests: int,
-                  concurrency: int, seed: int, api_key: str | None, vocab: int) -> dict:
+                  concurrency: int, seed: int, api_key: str | None, vocab: int, prefix_len: int = 0) -> dict:
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         if model is None:
             model = (await client.get(base_url + "/v1/models", headers=headers)).json()["data"][0]["id"]
-        prompts = random_prompts(num_requests, prompt_len, vocab, seed)
+        prompts = random_prompts(num_requests, prompt_len, vocab, seed, prefix_len=prefix_len)
         sem = asyncio.Semaphore(concurrency)
 
         async def run(p):
@@ -160,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     off.add_argument("--max-tokens", type=int, default=32)
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--device", default="cpu")
+    off.add_argument("--prefix-len", type=int, default=0, help="the prompts of a row share this many first tokens")
+    off.add_argument("--no-prefix-caching", action="store_true")
     off.add_argument("--json", action="store_true")
     on = sub.add_parser("online", help="drive a running server with concurrent streaming requests")
     on.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -169,19 +176,22 @@ def main(argv: list[str] | None = None) -> None:
     on.add_argument("--num-requests", type=int, default=64)
     on.add_argument("--concurrency", type=int, default=8)
     on.add_argument("--vocab", type=int, default=1000, help="random prompt ids are drawn below this")
-    on.add_argument("--seed", type=int, default=0)
+    on.add_argument("--seed", type=int, default=0, help="the same seed sends the same prompts (a server with "
+                    "prefix caching serves a repeated run from its cache)")
+    on.add_argument("--prefix-len", type=int, default=0, help="all prompts share this many first tokens")
     on.add_argument("--api-key", default=None)
     on.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.mode == "offline":
         rows = offline(a.artifacts, [int(x) for x in a.prompt_lens.split(",")],
-                       [int(x) for x in a.concurrency.split(",")], a.max_tokens, a.seed, a.device)
+                       [int(x) for x in a.concurrency.split(",")], a.max_tokens, a.seed, a.device, a.prefix_len,
+                       not a.no_prefix_caching)
         print(json.dumps(rows) if a.json else table(rows, ["prompt_len", "concurrency", "ttft_ms_median",
                                                             "ttft_ms_p99", "tpot_ms_median", "tpot_ms_p99",
-                                                            "output_tok_s"]))
+                                                            "output_tok_s", "cached_pct"]))
     else:
         r = asyncio.run(_online(a.base_url, a.model, a.prompt_len, a.max_tokens, a.num_requests, a.concurrency,
-                                a.seed, a.api_key, a.vocab))
+                                a.seed, a.api_key, a.vocab, a.prefix_len))
         print(json.dumps(r) if a.json else table([r], ["requests", "concurrency", "completed", "failed",
                                                        "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median",
                                                        "tpot_ms_p99", "itl_ms_median", "itl_ms_p99",

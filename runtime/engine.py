@@ -32,7 +32,7 @@ class StepOutput:
 
 class Engine:
     def __init__(self, manifest: Manifest, runner: ModelRunner, tokenizer: Tokenizer | None,
-                 followers=None, max_waiting: int = 1024, max_prefill_streak: int = 4):
+                 followers=None, max_waiting: int = 1024, max_prefill_streak: int = 4, prefix_caching: bool = True):
         self.manifest = manifest
         self.runner = runner
         self.tokenizer = tokenizer
@@ -45,7 +45,8 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(
             decode_buckets=cc.decode_buckets, prefill_buckets=cc.prefill_buckets,
             context_buckets=cc.context_buckets, context_limit=cc.context_limit, block_size=cc.block_size,
-            num_blocks=cc.num_kv_blocks, max_waiting=max_waiting, max_prefill_streak=max_prefill_streak))
+            num_blocks=cc.num_kv_blocks, max_waiting=max_waiting, max_prefill_streak=max_prefill_streak,
+            prefix_caching=prefix_caching))
         self.eos_ids = set(manifest.model.eos_token_ids)
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.num_steps = 0
@@ -158,6 +159,23 @@ class Engine:
             raise RequestError(f"top_p={params.top_p} must be in (0, 1]")
         if params.top_k < 0:
             raise RequestError(f"top_k={params.top_k} must be >= 0 (0 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(params, name)
+            if not (math.isfinite(v) and -2 <= v <= 2):
+                raise RequestError(f"{name}={v} must be between -2 and 2")
+        if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+            raise RequestError(f"repetition_penalty={params.repetition_penalty} must be a finite number > 0")
+        if not 0 <= params.min_tokens <= params.max_tokens:
+            raise RequestError(f"min_tokens={params.min_tokens} must be between 0 and max_tokens "
+                               f"({params.max_tokens})")
+        for t, b in params.logit_bias:
+            if not (isinstance(t, int) and 0 <= t < vocab):
+                raise RequestError(f"logit_bias token id {t!r} is outside the vocabulary [0, {vocab})")
+            if not (math.isfinite(b) and -100 <= b <= 100):
+                raise RequestError(f"logit_bias of token {t} is {b}: must be between -100 and 100")
+        bad = next((t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise RequestError(f"stop_token_ids: {bad!r} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.validate(prompt_ids, params)
@@ -209,7 +227,7 @@ class Engine:
         sampled = [e.seq for e in step.entries if e.wants_logits]
         if not sampled:
             return []
-        tokens, lps, tops = sample(logits, sampled)
+        tokens, lps, tops = sample(logits, sampled, self.eos_ids)
         now = time.monotonic()
         outs = []
         limit = self.manifest.compile.context_limit
@@ -222,26 +240,30 @@ class Engine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self.num_generated += 1
+            reason = None
+            # EOS (unless ignored) and stop_token_ids finish the sequence; as in vLLM, their text is not output
+            stop_token = (tok in self.eos_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids
             text = ""
             det = self._detok.get(seq.seq_id)
-            if det is not None:
+            if det is not None and not stop_token:
                 text = det.add([tok])
                 seq.output_text = det.text
-            reason = None
-            if tok in self.eos_ids and not seq.params.ignore_eos:
+            early = len(seq.output_ids) <= seq.params.min_tokens       # stop strings count after min_tokens
+            if early:
+                seq.stop_from = len(seq.output_text)
+            cut = False
+            if stop_token:
                 reason = "stop"
-            elif seq.params.stop and det is not None:
-                hit = _first_stop(seq.output_text, seq.params.stop)
+            elif seq.params.stop and det is not None and not early:
+                hit = _first_stop(seq.output_text, seq.params.stop, seq.stop_from)
                 if hit is not None:
-                    cut = hit
                     emitted_before = len(seq.output_text) - len(text)
-                    text = seq.output_text[emitted_before:cut] if cut > emitted_before else ""
-                    seq.output_text = seq.output_text[:cut]
-                    reason = "stop"
+                    text = seq.output_text[emitted_before:hit] if hit > emitted_before else ""
+                    seq.output_text = seq.output_text[:hit]
+                    reason, cut = "stop", True
             if reason is None and (len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= limit):
                 reason = "length"
-            if reason is not None and det is not None and not (reason == "stop" and seq.params.stop and
-                                                               tok not in self.eos_ids):
+            if reason is not None and det is not None and not cut:
                 # Flush what the incremental decoder held back (an incomplete UTF-8 tail decodes as U+FFFD).
                 full = det.flush()
                 text += full[len(seq.output_text):]
@@ -260,8 +282,8 @@ class Engine:
         return seqs
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [text.find(s) for s in stops if s and s in text]
+def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
     return min(hits) if hits else None
 
 

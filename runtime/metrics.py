@@ -29,6 +29,14 @@ class Metrics:
         self.rejected = Counter("deepinfer_requests_rejected", "Refused requests by HTTP status", ["status"],
                                 registry=r)
         self.step_seconds = Histogram("deepinfer_step_seconds", "Engine step wall time", buckets=_TPOT, registry=r)
+        # as vLLM's prefix_cache_queries / prefix_cache_hits: hit rate = hits / queries
+        self.cache_queries = Counter("deepinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                     "at admission", registry=r)
+        self.cache_hits = Counter("deepinfer_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held",
+                                  registry=r)
+        self.kv_cached = Gauge("deepinfer_kv_blocks_cached", "KV blocks holding a registered prefix (in use or "
+                               "evictable)", registry=r)
+        self._seen = (0, 0)
 
     def on_step(self, engine, outputs, seconds: float) -> None:
         """Runs on the engine thread after every step."""
@@ -49,6 +57,12 @@ class Metrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.kv_used.set(sched.blocks.num_used)
+        bm = sched.blocks
+        self.kv_cached.set(bm.num_cached)
+        q, h = self._seen
+        self.cache_queries.inc(bm.queries - q)
+        self.cache_hits.inc(bm.hits - h)
+        self._seen = (bm.queries, bm.hits)
 
     def observe_finished(self, seq) -> None:
         import time

@@ -34,10 +34,12 @@ class SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    # Accepted only at their neutral values (what benchmark clients send); anything else is refused.
     repetition_penalty: Number = 1.0
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
+    logit_bias: dict[StrictStr, Number] | None = None     # token id (as a string, as OpenAI's) -> bias
+    min_tokens: StrictInt = 0                            # vLLM's extension
+    stop_token_ids: list[StrictInt] | None = None        # vLLM's extension
 
 
 class CompletionRequest(SamplingFields):
@@ -74,7 +76,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list | None = None
     tool_choice: StrictStr | dict | None = None
     parallel_tool_calls: StrictBool | None = None
-    logit_bias: dict | None = None
     response_format: dict | None = None
     store: StrictBool | None = None
     metadata: dict | None = None

@@ -25,6 +25,8 @@ class SchedulerConfig:
     # Prefill chunks run first (they admit new requests: better throughput and TTFT), but at most this many in
     # a row while decode-ready sequences wait: it bounds the stall a burst of long prompts adds to their TPOT.
     max_prefill_streak: int = 4
+    # New sequences start after the longest prefix of full KV blocks some earlier sequence left in the pool.
+    prefix_caching: bool = True
 
     def __post_init__(self):
         if self.max_prefill_streak < 1:
@@ -69,7 +71,7 @@ def smallest_at_least(buckets: tuple[int, ...], n: int) -> int | None:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
-        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._prefill_streak = 0      # consecutive prefill chunks while decode-ready sequences waited
@@ -101,7 +103,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         prefill = self._prefill_candidate()
         decode_ready = any(s.num_uncomputed <= self.cfg.prompt_as_decode_limit for s in self.running) or any(
-            s.num_uncomputed <= self.cfg.prompt_as_decode_limit for s in self.waiting)
+            self._pending(s) <= self.cfg.prompt_as_decode_limit for s in self.waiting)
         if prefill is not None and (self._prefill_streak < self.cfg.max_prefill_streak or not decode_ready):
             step = self._schedule_prefill(prefill)
             if step is not None:
@@ -121,20 +123,38 @@ class Scheduler:
             if s.num_uncomputed > self.cfg.prompt_as_decode_limit:
                 return s
         for s in self.waiting:
-            if s.num_uncomputed > self.cfg.prompt_as_decode_limit:
+            if self._pending(s) > self.cfg.prompt_as_decode_limit:
                 return s if len(self.running) < self.cfg.max_num_seqs else None
         return None
+
+    def _pending(self, seq: Sequence) -> int:
+        """Tokens a sequence has left to compute; a waiting one would start after its cached prefix."""
+        if seq.block_table or not self.cfg.prefix_caching:
+            return seq.num_uncomputed
+        return seq.num_tokens - len(self.blocks.match(seq)) * self.cfg.block_size
+
+    def _claim(self, seq: Sequence) -> None:
+        """A waiting sequence about to be admitted takes its cached prefix (undone by _unclaim if it is not)."""
+        if seq.status is Status.WAITING and not seq.block_table:
+            self.blocks.take(seq, self.blocks.match(seq))
+
+    def _unclaim(self, seq: Sequence) -> None:
+        if seq.status is Status.WAITING and seq.block_table:
+            self.blocks.free(seq)
+            seq.num_computed = 0
 
     def _schedule_prefill(self, seq: Sequence) -> ScheduledStep | None:
         """A chunk of `seq`, then as many other prompts as fit the chunk's spare tokens (packed back to back;
         never preempting for them) without a larger context bucket than a full chunk of `seq` alone would take:
         attention cost follows the bucket, so packing never makes the chunk's attention dearer."""
         budget = max(self.cfg.prefill_buckets)
+        self._claim(seq)
         n = min(seq.num_uncomputed, budget)
         need = self.blocks.blocks_needed(seq, n)
         preempted = False
         if not self.blocks.can_allocate(need):
             if seq.status is Status.WAITING or not self._preempt_for(need, seq, keep={seq}):
+                self._unclaim(seq)
                 return None
             preempted = True      # the preempted are waiting again: not packed into the chunk that displaced them
         self._admit(seq)
@@ -143,13 +163,13 @@ class Scheduler:
         used, span = n, self._span(seq.num_computed + n)
         room = self._context_bucket(max(span, budget))
         for other in ([] if preempted else self._prefill_queue(seq)):
-            if used >= budget:
+            if used >= budget or (other.status is Status.WAITING and len(self.running) >= self.cfg.max_num_seqs):
                 break
+            self._claim(other)
             k = min(other.num_uncomputed, budget - used)
             more = self._span(other.num_computed + k)
-            if (span + more > room or
-                    (other.status is Status.WAITING and len(self.running) >= self.cfg.max_num_seqs) or
-                    not self.blocks.can_allocate(self.blocks.blocks_needed(other, k))):
+            if span + more > room or not self.blocks.can_allocate(self.blocks.blocks_needed(other, k)):
+                self._unclaim(other)
                 break
             self._admit(other)
             self.blocks.allocate(other, k)
@@ -160,10 +180,11 @@ class Scheduler:
         # prefill graphs exist for context buckets of at least their token bucket
         return ScheduledStep("prefill", bucket, self._context_bucket(max(span, bucket)), tuple(entries))
 
-    def _prefill_queue(self, first: Sequence) -> list[Sequence]:
-        """Prompts, other than `first`, too long for a decode step: running ones, then waiting ones in order."""
+    def _prefill_queue(self, first: Sequence):
+        """Prompts, other than `first`, too long for a decode step: running ones, then waiting ones in order
+        (lazily: packing usually stops after a few)."""
         limit = self.cfg.prompt_as_decode_limit
-        return [s for s in (*self.running, *self.waiting) if s is not first and s.num_uncomputed > limit]
+        return (s for s in (*self.running, *self.waiting) if s is not first and self._pending(s) > limit)
 
     def _span(self, tokens: int) -> int:
         """Context slots a sequence of `tokens` takes in a packed prefill row: whole blocks."""
@@ -190,10 +211,12 @@ class Scheduler:
         for seq in list(self.waiting):
             if used >= budget or len(self.running) >= self.cfg.max_num_seqs:
                 break
-            if seq.num_uncomputed > limit:
+            if self._pending(seq) > limit:
                 continue
+            self._claim(seq)
             n = min(seq.num_uncomputed, budget - used)
             if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)):
+                self._unclaim(seq)
                 break
             self._admit(seq)
             self.blocks.allocate(seq, n)
@@ -212,6 +235,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> None:
         if seq.status is Status.WAITING:
+            self.blocks.queries += seq.num_tokens - 1       # the last token is always computed
+            self.blocks.hits += seq.num_computed
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -238,3 +263,4 @@ class Scheduler:
     def advance(self, step: ScheduledStep) -> None:
         for e in step.entries:
             e.seq.num_computed = e.start + e.num_tokens
+            self.blocks.register(e.seq)

@@ -23,10 +23,24 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # top-N logprobs per generated token
+    # Logits processing, as OpenAI and vLLM define it (applied in this order, before temperature and top-k/p;
+    # greedy takes the argmax after it; logprobs stay the model's own, as vLLM's default reports them):
+    min_tokens: int = 0               # EOS and stop_token_ids are masked, stop strings ignored, before this many
+    logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, added to its logit)
+    repetition_penalty: float = 1.0   # tokens of the prompt or output: logit / p if > 0 else logit * p
+    presence_penalty: float = 0.0     # minus this for every token the output holds
+    frequency_penalty: float = 0.0    # minus this times the token's count in the output
+    stop_token_ids: tuple[int, ...] = ()   # generating one of these finishes the sequence ("stop")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether logits processing other than min_tokens applies."""
+        return bool(self.logit_bias or self.repetition_penalty != 1.0 or self.presence_penalty or
+                    self.frequency_penalty)
 
 
 class Status(enum.Enum):
@@ -55,6 +69,11 @@ class Sequence:
     generator: torch.Generator | None = None
     output_text: str = ""
     num_preemptions: int = 0
+    stop_from: int = 0                # stop strings are searched from this offset of output_text (min_tokens)
+    num_registered: int = 0           # leading blocks of block_table registered in the prefix cache
+    num_cached_tokens: int = 0        # prompt tokens whose KV came from the prefix cache at the last admission
+    _keys: list = field(default_factory=list, repr=False)   # prefix-cache keys of the leading full blocks
+    cache_match: tuple | None = field(default=None, repr=False)   # BlockManager.match's memo
 
     def __post_init__(self):
         if not self.params.greedy:
@@ -70,9 +89,27 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
 
+    def block_key(self, block_size: int, i: int) -> bytes:
+        """The prefix-cache key of full block i ((i + 1) * block_size <= num_tokens): a hash of every token up to
+        the block's end, chained block by block and computed once each (a sequence's tokens only ever grow)."""
+        from .block_manager import ROOT, chain_hash
+        keys = self._keys
+        while len(keys) <= i:
+            j = len(keys)
+            lo, hi, n = j * block_size, (j + 1) * block_size, len(self.prompt_ids)
+            toks = self.prompt_ids[lo:hi] if hi <= n else self.prompt_ids[lo:n] + self.output_ids[max(0, lo - n):hi - n]
+            assert len(toks) == block_size, "block_key() of a block that is not full"
+            keys.append(chain_hash(keys[-1] if keys else ROOT, toks))
+        return keys[i]
+
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether its next token's logits are processed (min_tokens only while the output is shorter)."""
+        return self.params.processes_logits or len(self.output_ids) < self.params.min_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -148,7 +148,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         if tok is None:
             raise no_tokenizer("a chat request")
         messages = [_message(i, m) for i, m in enumerate(creq.messages)]
-        for name, neutral in (("tools", []), ("logit_bias", {}), ("response_format", {"type": "text"})):
+        for name, neutral in (("tools", []), ("response_format", {"type": "text"})):
             if getattr(creq, name) not in (None, neutral):
                 raise RequestError(f"field '{name}' is not supported (only {json.dumps(neutral)})")
         if creq.tool_choice not in (None, "none", "auto"):
@@ -241,9 +241,6 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
     def _sampling(req: CompletionRequest, prompts: list[list[int]], limit: int) -> SamplingParams:
         if req.model is not None and req.model != model_name:
             raise RequestError(f"model '{req.model}' is not served here (this server serves '{model_name}')")
-        for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-            if getattr(req, name) != neutral:
-                raise RequestError(f"field '{name}'={getattr(req, name)} is not supported (only {neutral})")
         if not 1 <= req.n <= MAX_N:
             raise RequestError(f"field 'n'={req.n} must be between 1 and {MAX_N}")
         if req.best_of is not None and req.best_of != req.n:
@@ -275,9 +272,19 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if any(s == "" for s in stop):
             raise RequestError("field 'stop': stop strings must not be empty")
-        return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
-                              top_k=max(0, req.top_k), seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
-                              logprobs=req.logprobs)
+        bias = []
+        for key, value in (req.logit_bias or {}).items():
+            if not key.strip().isdecimal():
+                raise RequestError(f"field 'logit_bias': key {key!r} is not a token id")
+            bias.append((int(key), _number(f"logit_bias[{key!r}]", value)))
+        return SamplingParams(max_tokens=max_tokens, temperature=_number("temperature", req.temperature),
+                              top_p=_number("top_p", req.top_p), top_k=max(0, req.top_k), seed=req.seed, stop=stop,
+                              ignore_eos=req.ignore_eos, logprobs=req.logprobs, min_tokens=req.min_tokens,
+                              logit_bias=tuple(sorted(bias)),
+                              repetition_penalty=_number("repetition_penalty", req.repetition_penalty),
+                              presence_penalty=_number("presence_penalty", req.presence_penalty),
+                              frequency_penalty=_number("frequency_penalty", req.frequency_penalty),
+                              stop_token_ids=tuple(req.stop_token_ids or ()))
 
     def _message(i: int, m: ChatMessage) -> dict:
         # fields sent as null are left out, as transformers' apply_chat_template does (templates test `is defined`)
@@ -313,7 +320,12 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
     def _usage(prompts, streams, n) -> dict:
         p = sum(len(x) for x in prompts)
         c = sum(len(s.seq.output_ids) for s in streams)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        if engine.scheduler.cfg.prefix_caching:      # as OpenAI and vLLM: prompt tokens served from the cache
+            # (each prompt counted once, as prompt_tokens counts it: by its first choice)
+            cached = sum(s.seq.num_cached_tokens for s in streams[::n])
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     async def _complete(request, rid, req, streams, prompts, texts, chat):
         watcher = asyncio.create_task(_watch_disconnect(request, streams))
@@ -436,6 +448,14 @@ def _field(loc: tuple) -> str:
     return out or "body"
 
 
+def _number(name: str, value) -> float:
+    """A JSON number as a float; an integer too large for one is a 400, not an OverflowError."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise RequestError(f"field '{name}'={value} is out of range") from None
+
+
 def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
     import dataclasses
     return dataclasses.replace(p, seed=seed)
@@ -443,7 +463,8 @@ def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
 
 def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           device: str = "cpu", max_waiting: int = 256, timing: bool = False,
-          torchrun: tuple[int, int] | None = None, max_prefill_streak: int = 4, warmup: bool = False) -> None:
+          torchrun: tuple[int, int] | None = None, max_prefill_streak: int = 4, warmup: bool = False,
+          prefix_caching: bool = True) -> None:
     """Serve until SIGINT/SIGTERM (graceful: stop accepting, let in-flight requests finish for up to 30 s,
     abort the rest, stop the followers) or until a rank fails (then raise, naming it)."""
     import uvicorn
@@ -455,7 +476,8 @@ def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_
             self.should_exit = True
 
     engine = Engine.from_artifact(artifacts, device=device, timing=timing, max_waiting=max_waiting,
-                                  max_prefill_streak=max_prefill_streak, torchrun=torchrun)
+                                  max_prefill_streak=max_prefill_streak, torchrun=torchrun,
+                                  prefix_caching=prefix_caching)
     if engine is None:      # a torchrun follower rank
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

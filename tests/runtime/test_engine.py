@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,12 +42,116 @@ def test_preemption_under_a_small_pool_still_finishes_everything(checkpoints, co
     art = compile_artifact(checkpoints["base"], num_kv_blocks=9)    # 8 blocks hold one full sequence
     engine = Engine.from_artifact(art)
     ps = prompts([40, 50, 30, 60], seed=3)
+    ps[2] = ps[0][:20] + ps[2][20:]         # a shared prefix: preempted sequences and others hit cached blocks
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     alone = [engine.generate([p], params)[0].output_ids for p in ps]
-    seqs = engine.generate(ps, params)
-    assert sum(s.num_preemptions for s in seqs) > 0
-    assert [s.output_ids for s in seqs] == alone
-    assert engine.scheduler.blocks.num_free == 9
+    for caching in (True, False):
+        engine = Engine.from_artifact(art, prefix_caching=caching)
+        seqs = engine.generate(ps, params)
+        assert sum(s.num_preemptions for s in seqs) > 0
+        assert [s.output_ids for s in seqs] == alone
+        assert engine.scheduler.blocks.num_free == 9
+        assert (engine.scheduler.blocks.hits > 0) == caching
+
+
+def test_prefix_cache_hits_change_no_token(artifact, engine):
+    """Prompts that share a system prompt, repeat one, or end exactly where cached blocks end, served from the
+    prefix cache (one at a time: each hits what the ones before left; together: they share blocks in the same
+    steps; under a pool small enough to preempt: preempted ones hit their own blocks) give the tokens and
+    logprobs of an engine without the cache, while computing fewer tokens."""
+    system = prompts([40], seed=21)[0]
+    ps = [system + q for q in prompts([5, 30, 1, 12], seed=22)] + [system[:32], system, system[:17]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
+    cold = Engine.from_artifact(artifact, prefix_caching=False)
+    want = [cold.generate([p], params)[0] for p in ps]
+    assert cold.scheduler.blocks.hits == 0
+    for together in (False, True):
+        warm = Engine.from_artifact(artifact)
+        warm.generate([system + [7]], params)
+        got = warm.generate(ps, params) if together else [warm.generate([p], params)[0] for p in ps]
+        for w, g in zip(want, got):
+            assert g.output_ids == w.output_ids
+            assert g.token_logprobs == pytest.approx(w.token_logprobs, abs=1e-4)
+        assert [g.num_cached_tokens for g in got] == [32, 32, 32, 32, 16, 32, 16]
+        assert warm.scheduler.blocks.num_free == warm.scheduler.blocks.num_blocks
+    assert engine.scheduler.cfg.prefix_caching       # on by default
+
+
+def test_repetition_penalty_and_min_tokens_match_transformers_generate(checkpoints, engine):
+    """repetition_penalty over prompt and output, and min_tokens masking EOS, as transformers' generate applies
+    them (RepetitionPenaltyLogitsProcessor, MinNewTokensLengthLogitsProcessor), greedy on the same weights; and
+    batched with other requests that do not process their logits."""
+    from checkpoints import hf_model
+    hf = hf_model(checkpoints["base"])
+    assert set(engine.eos_ids) == {hf.generation_config.eos_token_id}
+    changed = 0
+    for p in prompts([6, 30, 45], seed=31):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              repetition_penalty=1.6)[0, len(p):].tolist()
+        params = SamplingParams(max_tokens=12, min_tokens=12, repetition_penalty=1.6)
+        alone = engine.generate([p], params)[0]
+        batched = engine.generate([p, p[:3]], [params, GREEDY])[0]
+        assert alone.output_ids == batched.output_ids == ref and alone.finish_reason == "length"
+        changed += ref != engine.generate([p], GREEDY)[0].output_ids
+    assert changed       # the penalty changed what greedy picks
+
+
+def test_presence_frequency_penalties_and_logit_bias_as_openai_defines_them():
+    """process_logits on one row against the formulas: bias added, repetition over prompt and output, presence
+    and frequency over the output's counts; min_tokens masks EOS and stop_token_ids (not an ignored EOS)."""
+    from deepinfer.runtime.sampler import process_logits
+    from deepinfer.runtime.sequence import Sequence
+    row = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    seq = Sequence([3, 5, 11], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3,
+                                              logit_bias=((7, 2.0), (11, -1.5))))
+    seq.output_ids = [5, 5, 9, 7]
+    want = row.clone()
+    want[7] += 2.0
+    want[11] -= 1.5
+    for t in (3, 5, 11, 9, 7):
+        want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
+    for t, n in ((5, 2), (9, 1), (7, 1)):
+        want[t] -= 0.25 * n + 0.5
+    assert torch.allclose(process_logits(row.clone(), seq, {1}), want)
+    for ignore_eos, masked in ((False, {1, 4}), (True, {4})):
+        seq = Sequence([3], SamplingParams(min_tokens=2, stop_token_ids=(4,), ignore_eos=ignore_eos))
+        out = process_logits(row.clone(), seq, {1})
+        assert {i for i in range(50) if out[i] == float("-inf")} == masked
+        seq.output_ids = [8, 8]
+        assert torch.equal(process_logits(row.clone(), seq, {1}), row)
+
+
+def test_logit_bias_stop_token_ids_min_tokens_and_penalties_end_to_end(engine):
+    p = prompts([8], seed=41)[0]
+    full = engine.generate([p], GREEDY)[0]
+    forced = engine.generate([p], SamplingParams(max_tokens=5, ignore_eos=True, logit_bias=((77, 100.0),)))[0]
+    assert forced.output_ids == [77] * 5
+    banned = engine.generate([p], SamplingParams(max_tokens=5, ignore_eos=True,
+                                                 logit_bias=((full.output_ids[0], -100.0),)))[0]
+    assert banned.output_ids[0] != full.output_ids[0]
+    # a stop token ends the output; its text is not output (as EOS's)
+    stop = full.output_ids[4]
+    i = full.output_ids.index(stop)
+    s = engine.generate([p], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop,)))[0]
+    assert s.output_ids == full.output_ids[: i + 1] and s.finish_reason == "stop"
+    assert s.output_text == engine.tokenizer.decode(full.output_ids[:i])
+    # ... but not before min_tokens, which masks it: the output goes on without it
+    s = engine.generate([p], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop,),
+                                            min_tokens=i + 2))[0]
+    assert len(s.output_ids) >= i + 2 and stop not in s.output_ids[: i + 2]
+    # stop strings count only in the text after min_tokens' tokens
+    text, first = full.output_text, engine.tokenizer.decode(full.output_ids[:1])
+    assert len(first) == 1 and text.count(first) == 1            # this prompt's first token: one ASCII character
+    s = engine.generate([p], SamplingParams(max_tokens=12, ignore_eos=True, stop=(first,)))[0]
+    assert s.output_text == "" and s.finish_reason == "stop"
+    s = engine.generate([p], SamplingParams(max_tokens=12, ignore_eos=True, stop=(first,), min_tokens=3))[0]
+    assert s.output_ids == full.output_ids and s.finish_reason == "length"
+    # a strong frequency penalty makes greedy avoid repeats it would otherwise make
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = engine.generate([p], long)[0].output_ids
+    spread = engine.generate([p], dataclasses.replace(long, frequency_penalty=2.0, presence_penalty=2.0))[0]
+    assert len(set(plain)) < len(plain) and len(set(spread.output_ids)) > len(set(plain))
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,13 +14,40 @@ from deepinfer.runtime.sequence import SamplingParams, Sequence, Status
 
 def check_invariants(sched: Scheduler) -> None:
     bm = sched.blocks
-    owned = [b for s in sched.running for b in s.block_table]
-    assert len(owned) == len(set(owned)), "a block is owned twice"
+    held = Counter(b for s in sched.running for b in s.block_table)
+    assert dict(held) == bm.refs, "a block's reference count is not the number of sequences holding it"
     assert not any(s.block_table for s in sched.waiting), "a waiting sequence holds blocks"
-    assert len(owned) + bm.num_free == bm.num_blocks, "a block leaked"
-    assert set(owned).isdisjoint(bm.free_blocks)
+    assert len(held) + bm.num_free == bm.num_blocks, "a block leaked"
+    free, evictable = set(bm.free_blocks), set(bm.evictable)
+    assert len(free) == len(bm.free_blocks) and free.isdisjoint(evictable)
+    assert set(held).isdisjoint(free | evictable)
+    assert evictable <= set(bm.key_of) and {b: k for k, b in bm.cached.items()} == bm.key_of
     for s in sched.running:
         assert len(s.block_table) * bm.block_size >= s.num_computed
+        assert s.num_registered <= s.num_computed // bm.block_size
+        for i, b in enumerate(s.block_table[: s.num_registered]):
+            assert bm.key_of.get(b, s.block_key(bm.block_size, i)) == s.block_key(bm.block_size, i), \
+                "a sequence holds a cached block of another prefix"
+
+
+class FakePool:
+    """The KV pool as the model would leave it: each slot holds the token prefix whose last token's KV it is.
+    Checks that a step attends only to its sequence's own prefix and never writes a shared or cached block."""
+
+    def __init__(self, sched: Scheduler):
+        self.sched, self.slots = sched, {}
+
+    def run(self, step) -> None:
+        bm = self.sched.blocks
+        for e in step.entries:
+            s = e.seq
+            tokens = tuple(s.prompt_ids + s.output_ids)
+            for p in range(e.start):
+                assert self.slots.get(bm.slot(s, p)) == tokens[: p + 1], f"position {p}: another prefix's KV"
+            for p in range(e.start, e.start + e.num_tokens):
+                b = s.block_table[p // bm.block_size]
+                assert bm.refs[b] == 1 and b not in bm.key_of, f"block {b} is written while shared or cached"
+                self.slots[bm.slot(s, p)] = tokens[: p + 1]
 
 
 def fake_step(sched: Scheduler, step) -> None:
@@ -31,10 +60,12 @@ def fake_step(sched: Scheduler, step) -> None:
                 sched.finish(e.seq, "length")
 
 
-def run_to_completion(cfg: SchedulerConfig, requests: list[tuple[int, int]], arrivals: list[int]) -> list[Sequence]:
-    """Requests (prompt_len, max_tokens) arrive at step `arrivals[i]`; every step 'generates' token 7."""
+def run_to_completion(cfg: SchedulerConfig, requests: list[tuple[list[int], int]],
+                      arrivals: list[int]) -> list[Sequence]:
+    """Requests (prompt, max_tokens) arrive at step `arrivals[i]`; every step 'generates' token 7."""
     sched = Scheduler(cfg)
-    seqs = [Sequence([3] * p, SamplingParams(max_tokens=n)) for p, n in requests]
+    pool = FakePool(sched)
+    seqs = [Sequence(list(p), SamplingParams(max_tokens=n)) for p, n in requests]
     pending = sorted(zip(arrivals, range(len(seqs))))
     step_no = 0
     while pending or sched.has_work:
@@ -53,6 +84,7 @@ def run_to_completion(cfg: SchedulerConfig, requests: list[tuple[int, int]], arr
         for e in step.entries:
             assert e.start + e.num_tokens <= step.context
             assert len(e.seq.block_table) * cfg.block_size >= e.start + e.num_tokens
+            assert e.num_tokens >= 1 and e.start + e.num_tokens <= e.seq.num_tokens
         if step.kind == "prefill":     # packed sequences: whole blocks each, back to back in one context row
             spans = [-(-(e.start + e.num_tokens) // cfg.block_size) * cfg.block_size for e in step.entries]
             assert sum(spans) <= step.context
@@ -61,27 +93,35 @@ def run_to_completion(cfg: SchedulerConfig, requests: list[tuple[int, int]], arr
             assert len(spans) == 1 or step.context <= min(c for c in cfg.context_buckets if c >= first_alone)
             assert len(step.entries) <= min(step.tokens, cfg.max_num_seqs)
             assert len({e.seq for e in step.entries}) == len(step.entries)
+        pool.run(step)
         fake_step(sched, step)
         check_invariants(sched)
     return seqs
 
 
-requests = st.lists(st.tuples(st.integers(1, 100), st.integers(1, 20)), min_size=1, max_size=12)
+# A request: (shared prefix 0-2, its length, suffix length, suffix seed, max_tokens): prompts that share prefixes
+# of any length, so the prefix cache hits whole blocks, partial ones and nothing.
+requests = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 60), st.integers(1, 50), st.integers(0, 3),
+                              st.integers(1, 20)), min_size=1, max_size=12)
+PREFIXES = [[(7 * i + 3 * j) % 11 + 1 for j in range(60)] for i in range(3)]
 
 
-@settings(max_examples=150, deadline=None)
+def prompt(prefix: int, n_prefix: int, n_suffix: int, seed: int) -> list[int]:
+    return PREFIXES[prefix][:n_prefix] + [(seed * 5 + 3 * j) % 13 + 20 for j in range(n_suffix)]
+
+
+@settings(max_examples=200, deadline=None)
 @given(requests=requests, data=st.data(), num_blocks=st.integers(8, 40), prefill=st.booleans(),
-       streak=st.integers(1, 5))
-def test_every_request_finishes_without_leaks(requests, data, num_blocks, prefill, streak):
+       streak=st.integers(1, 5), caching=st.booleans())
+def test_every_request_finishes_without_leaks(requests, data, num_blocks, prefill, streak, caching):
     cfg = SchedulerConfig(decode_buckets=(1, 2, 4), prefill_buckets=(16, 32) if prefill else (),
                           context_buckets=(64, 128), context_limit=128, block_size=16, num_blocks=num_blocks,
-                          max_prefill_streak=streak)
-    requests = [(p, min(n, 128 - p)) for p, n in requests if p < 128]
-    if not requests:
-        return
-    arrivals = data.draw(st.lists(st.integers(0, 30), min_size=len(requests), max_size=len(requests)))
-    seqs = run_to_completion(cfg, requests, arrivals)
-    for s, (p, n) in zip(seqs, requests):
+                          max_prefill_streak=streak, prefix_caching=caching)
+    reqs = [(prompt(*r[:4]), r[4]) for r in requests]
+    reqs = [(p, min(n, 128 - len(p))) for p, n in reqs if len(p) < 128]
+    arrivals = data.draw(st.lists(st.integers(0, 30), min_size=len(reqs), max_size=len(reqs)))
+    seqs = run_to_completion(cfg, reqs, arrivals)
+    for s, (p, n) in zip(seqs, reqs):
         assert s.status is Status.FINISHED and len(s.output_ids) == n
 
 
@@ -113,7 +153,8 @@ def test_prefill_runs_first_but_at_most_max_prefill_streak_in_a_row():
     sequence gets a step after every `max_prefill_streak` chunks (its TPOT stall is bounded)."""
     for streak in (1, 3):
         cfg = SchedulerConfig(decode_buckets=(1, 2, 4, 8), prefill_buckets=(16,), context_buckets=(64,),
-                              context_limit=64, block_size=16, num_blocks=64, max_prefill_streak=streak)
+                              context_limit=64, block_size=16, num_blocks=64, max_prefill_streak=streak,
+                              prefix_caching=False)
         sched = Scheduler(cfg)
         first = Sequence([3] * 2, SamplingParams(max_tokens=50))
         sched.add(first)
@@ -137,7 +178,7 @@ def test_short_prompts_share_a_prefill_chunk():
     """Eight 12-token prompts (too long for a decode step) share 32-token chunks instead of taking a padded chunk
     each; a prompt cut at the chunk's end finishes later (here in a decode step: 4 tokens are left)."""
     cfg = SchedulerConfig(decode_buckets=(1, 2, 4, 8), prefill_buckets=(16, 32), context_buckets=(64, 128),
-                          context_limit=128, block_size=16, num_blocks=64)
+                          context_limit=128, block_size=16, num_blocks=64, prefix_caching=False)
     sched = Scheduler(cfg)
     seqs = [Sequence([3] * 12, SamplingParams(max_tokens=2)) for _ in range(8)]
     for s in seqs:
@@ -154,3 +195,78 @@ def test_short_prompts_share_a_prefill_chunk():
         fake_step(sched, step)
     assert kinds.count("P") == 3, kinds
     assert all(s.status is Status.FINISHED and len(s.output_ids) == 2 for s in seqs)
+
+
+def _cfg(**kw) -> SchedulerConfig:
+    base = dict(decode_buckets=(1, 2, 4), prefill_buckets=(16, 32), context_buckets=(64, 128), context_limit=128,
+                block_size=16, num_blocks=12)
+    return SchedulerConfig(**{**base, **kw})
+
+
+def _drain(sched: Scheduler) -> list:
+    steps = []
+    while sched.has_work:
+        step = sched.schedule()
+        steps.append(step)
+        fake_step(sched, step)
+    return steps
+
+
+def test_a_prompt_starts_after_its_cached_prefix():
+    """A prompt that repeats an earlier one computes only what follows its cached full blocks (in a decode step
+    when that is short), always its last token (its logits are wanted)."""
+    sched = Scheduler(_cfg(decode_buckets=(1, 4, 16)))
+    shared = list(range(1, 41))
+    first = Sequence(shared + [90], SamplingParams(max_tokens=3))
+    sched.add(first)
+    step = sched.schedule()
+    first_blocks = list(first.block_table[:2])
+    fake_step(sched, step)
+    _drain(sched)
+    assert sched.blocks.num_cached == 2 and sched.blocks.num_free == 12        # 41 + 2 tokens computed: 2 full
+    again = Sequence(shared + [91, 92], SamplingParams(max_tokens=2))
+    exact = Sequence(list(range(1, 33)), SamplingParams(max_tokens=2))          # two full blocks, nothing after
+    sched.add(again)
+    sched.add(exact)
+    step = sched.schedule()
+    assert step.kind == "decode" and [(e.seq, e.start, e.num_tokens) for e in step.entries] == [
+        (again, 32, 10), (exact, 16, 6)]      # exact's second block holds its last token: computed again
+    assert again.block_table[:2] == first_blocks and exact.block_table[0] == first_blocks[0]
+    assert sched.blocks.refs[first_blocks[0]] == 2
+    assert (again.num_cached_tokens, exact.num_cached_tokens) == (32, 16)
+    fake_step(sched, step)
+    _drain(sched)
+    assert sched.blocks.hits == 32 + 16 and sched.blocks.queries == (41 - 1) + (42 - 1) + (32 - 1)
+    assert sched.blocks.num_free == 12
+
+
+def test_cached_blocks_are_evicted_last_and_least_recently_freed_first():
+    bm = BlockManager(num_blocks=6, block_size=4, prefix_caching=True)
+    a, b = Sequence(list(range(9)), SamplingParams()), Sequence(list(range(50, 59)), SamplingParams())
+    for s in (a, b):
+        bm.allocate(s, 9)               # 3 blocks each: 2 full, 1 partial
+        s.num_computed = 9
+        bm.register(s)
+    a_full, b_full = a.block_table[:2], b.block_table[:2]
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free == 6 and bm.num_cached == 4
+    c = Sequence(list(range(100, 108)), SamplingParams())
+    bm.allocate(c, 8)                   # the two never-registered blocks first
+    assert bm.num_cached == 4 and not set(c.block_table) & set(a_full + b_full)
+    probe = Sequence(list(range(9)), SamplingParams())
+    assert bm.match(probe) == a_full
+    d = Sequence(list(range(200, 208)), SamplingParams())
+    bm.allocate(d, 8)                   # then a's (freed first), its last block first
+    assert d.block_table == [a_full[1], a_full[0]] and bm.match(probe) == []     # the memoised match too
+    assert bm.match(Sequence(list(range(50, 60)), SamplingParams())) == b_full
+    assert bm.reset_cache() == 2 and bm.num_cached == 0 and bm.num_free == 2
+
+
+def test_prefix_caching_off_never_shares():
+    sched = Scheduler(_cfg(prefix_caching=False))
+    for _ in range(2):
+        sched.add(Sequence(list(range(1, 41)), SamplingParams(max_tokens=2)))
+        steps = _drain(sched)
+        assert steps[0].entries[0].start == 0
+    assert sched.blocks.num_cached == 0 and sched.blocks.hits == 0

@@ -53,6 +53,11 @@ def post(server, body, path="/v1/completions", key=API_KEY, **kw):
     return httpx.post(server["base"] + path, json=body, headers=headers, timeout=120, **kw)
 
 
+def counts(usage: dict) -> dict:
+    """A usage block's token counts (cached_tokens depends on what earlier requests left in the prefix cache)."""
+    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
 def offline_ids(art, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
     args = [sys.executable, "-c", "from deepinfer.cli import run_main; run_main()", str(art), "--json",
             "--max-tokens", str(max_tokens), "--ignore-eos"]
@@ -91,7 +96,8 @@ def test_sse_framing_and_usage_chunk(server):
     assert [c["choices"][0]["finish_reason"] for c in token_chunks] == [None] * 5 + ["length"]
     usage = chunks[-1]
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 6,
-                                                         "total_tokens": 9}
+                                                         "total_tokens": 9,
+                                                         "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_served_greedy_equals_offline_run_also_under_32_concurrent(server):
@@ -130,6 +136,21 @@ def test_served_greedy_equals_offline_run_also_under_32_concurrent(server):
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "n": 2, "temperature": 0}, "identical choices"),
     ({"prompt": "x", "n": 2, "temperature": 1e-6}, "identical choices"),   # greedy too
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "repetition_penalty": "1.2"}, "repetition_penalty"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "logit_bias": {"5": -101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"400": 1}}, "logit_bias token id 400"),
+    ({"prompt": "x", "logit_bias": {"x5": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"\u00b2": 1}}, "logit_bias"),        # a digit to isdigit(), not to int()
+    ({"prompt": "x", "logit_bias": {"5": 10 ** 400}}, "logit_bias"),
+    ({"prompt": "x", "temperature": 10 ** 400}, "temperature"),
+    ({"prompt": "x", "logit_bias": [5]}, "logit_bias"),
+    ({"prompt": "x", "stop_token_ids": [320]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
 ])
 def test_bad_requests_get_openai_errors(server, body, fragment):
     r = post(server, body)
@@ -172,7 +193,7 @@ def test_chat_completions_are_completions_of_the_chat_templates_prompt(server):
     joined = [{"role": "user", "content": "Hel\nlo"}]
     a, b = (post(server, {"messages": m, "max_tokens": 4, "temperature": 0}, path="/v1/chat/completions").json()
             for m in (parts, joined))
-    assert a["usage"] == b["usage"] and a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert counts(a["usage"]) == counts(b["usage"]) and a["choices"][0]["message"] == b["choices"][0]["message"]
     # what clients send by default changes nothing: nulls, neutral tool and format fields, 'developer' = 'system'
     plain = {"messages": messages, "max_tokens": 4, "temperature": 0}
     extras = {"messages": [{"role": "developer", "content": "Be brief.", "name": None}, messages[1]],
@@ -180,7 +201,7 @@ def test_chat_completions_are_completions_of_the_chat_templates_prompt(server):
               "tool_choice": "none", "parallel_tool_calls": False, "response_format": {"type": "text"},
               "logit_bias": {}, "store": False, "metadata": {"k": "v"}}
     a, b = (post(server, body, path="/v1/chat/completions").json() for body in (plain, extras))
-    assert a["usage"] == b["usage"] and a["choices"][0]["message"] == b["choices"][0]["message"], b
+    assert counts(a["usage"]) == counts(b["usage"]) and a["choices"][0]["message"] == b["choices"][0]["message"], b
 
 
 @pytest.mark.parametrize("body,fragment", [
@@ -198,7 +219,8 @@ def test_chat_completions_are_completions_of_the_chat_templates_prompt(server):
      "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"five": 1}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "other"}, "not served"),
     ({"messages": [{"role": "user", "content": "x" * 200}]}, "context limit"),
 ])
@@ -224,6 +246,21 @@ def test_malformed_json_auth_and_models(server):
     bare = post(server, {"prompt": "Hello", "add_special_tokens": False}, path="/tokenize").json()["tokens"]
     assert bare == t["tokens"][len(t["tokens"]) - len(bare):] and len(bare) <= len(t["tokens"])
     assert post(server, {"prompt": "Hello", "add_special_tokens": "no"}, path="/tokenize").status_code == 400
+
+
+def test_repeated_prompts_report_cached_tokens_and_the_metrics_count_hits(server):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field): the prompt tokens whose KV the prefix cache
+    held, whole blocks of 16 leaving the last token to compute; the text is the same as without the cache."""
+    prompt = [(11 * j) % 300 + 2 for j in range(50)]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    first, again = post(server, body).json(), post(server, body).json()
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    other = post(server, dict(body, prompt=prompt[:20] + [7] * 30)).json()
+    assert other["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    metrics = httpx.get(server["base"] + "/metrics").text
+    hits = next(float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("deepinfer_prefix_cache_hits_"))
+    assert hits >= 48 + 16 and "deepinfer_kv_blocks_cached" in metrics
 
 
 def test_oversized_bodies_are_413s_and_the_server_keeps_serving(server):
