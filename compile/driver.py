@@ -325,7 +325,7 @@ def _activation_bytes(m: ModelConfig, p: GraphPlan, elt: int) -> int:
     s = p.spec
     T, D, H = s.tokens, m.hidden_size, m.num_attention_heads
     if s.region in ("embed", "head"):
-        return T * D * elt + (T if s.kind == DECODE else 1) * m.vocab_size * 4
+        return T * D * elt + (s.logit_rows * m.vocab_size * 4 if s.region == "head" else 0)
     attn = 0
     if s.context:
         rows = s.rows

@@ -56,6 +56,8 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
         add(HEAD, PREFILL, T, logit_rows=1)
         if cc.prefill_seqs(T) > 1:       # a chunk that packs several prompts samples each one's last token
             add(HEAD, PREFILL, T, logit_rows=cc.prefill_seqs(T))
+        if T > 1:                        # prompt logprobs (echo + logprobs): logits of every row of the chunk
+            add(HEAD, PREFILL, T, logit_rows=T)
     return [_plan(name, spec, cc) for name, spec in specs.items()]
 
 

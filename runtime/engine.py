@@ -15,7 +15,7 @@ import torch
 from ..common.errors import RequestError
 from ..common.manifest import Manifest
 from .artifact import Artifact, load_graph, load_weights, open_artifact
-from .model_runner import ModelRunner, RegionTimer, build_inputs
+from .model_runner import ModelRunner, RegionTimer, build_inputs, logit_rows
 from .sampler import sample
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
@@ -48,6 +48,11 @@ class Engine:
             num_blocks=cc.num_kv_blocks, max_waiting=max_waiting, max_prefill_streak=max_prefill_streak,
             prefix_caching=prefix_caching))
         self.eos_ids = set(manifest.model.eos_token_ids)
+        from ..common.manifest import HEAD, PREFILL, graph_name
+        names = {g.name for g in manifest.graphs}
+        # artifacts compiled before prompt logprobs lack the heads over every row of a prefill chunk
+        self.has_prompt_logprobs = all(graph_name(HEAD, PREFILL, T, logit_rows=T) in names
+                                       for T in cc.prefill_buckets if T > 1)
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.num_generated = 0
@@ -112,18 +117,20 @@ class Engine:
         """Run every compiled step shape once on padding (its writes go to the KV pool's trash block), so that
         what the first use of a shape costs is paid before serving: the cuda backend compiles its graphs at first
         use and captures each decode bucket as a CUDA graph (minutes on a GPU, which would otherwise fall on the
-        first requests of each bucket). Prefill shapes run with both heads (one logits row, and the packed one).
-        Returns the steps run."""
+        first requests of each bucket). Prefill shapes run with the one-row head, and each chunk size once with the
+        packed head and the every-row head (prompt logprobs). Returns the steps run."""
         from ..common.manifest import DENSE_LAYER, HEAD, MOE_LAYER, PREFILL, graph_name
         cc = self.manifest.compile
         shapes = sorted({(g.kind, g.tokens, g.context) for g in self.manifest.graphs
                          if g.region in (DENSE_LAYER, MOE_LAYER)})
-        runs = []
+        runs, heads = [], set()
         for kind, T, C in shapes:
             runs.append((kind, T, C, 1))
-            rows = cc.prefill_seqs(T)
-            if kind == PREFILL and rows > 1 and graph_name(HEAD, kind, T, logit_rows=rows) in self.runner.graphs:
-                runs.append((kind, T, C, rows))
+            for rows in (cc.prefill_seqs(T), T) if kind == PREFILL else ():    # packed and prompt-logprobs heads
+                if rows > 1 and (T, rows) not in heads and \
+                        graph_name(HEAD, kind, T, logit_rows=rows) in self.runner.graphs:
+                    heads.add((T, rows))
+                    runs.append((kind, T, C, rows))
         for i, (kind, T, C, rows) in enumerate(runs):
             t = time.perf_counter()
             si = build_inputs(ScheduledStep(kind, T, C, ()), cc)
@@ -159,6 +166,12 @@ class Engine:
             raise RequestError(f"top_p={params.top_p} must be in (0, 1]")
         if params.top_k < 0:
             raise RequestError(f"top_k={params.top_k} must be >= 0 (0 = off)")
+        if params.prompt_logprobs is not None:
+            if params.prompt_logprobs < 0:
+                raise RequestError(f"prompt_logprobs={params.prompt_logprobs} must be >= 0")
+            if not self.has_prompt_logprobs:
+                raise RequestError("prompt logprobs (echo with logprobs): this artifact was compiled without the "
+                                   "prefill heads they need; compile it again with this deepinfer")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(params, name)
             if not (math.isfinite(v) and -2 <= v <= 2):
@@ -224,10 +237,16 @@ class Engine:
 
     def _postprocess(self, step: ScheduledStep, logits: torch.Tensor) -> list[StepOutput]:
         self.scheduler.advance(step)
-        sampled = [e.seq for e in step.entries if e.wants_logits]
-        if not sampled:
+        rows = logit_rows(step)
+        for e, (r, n) in zip(step.entries, rows):
+            if e.all_logits and not e.seq.is_finished:
+                _collect_prompt_logprobs(e, logits[r:r + n])
+        picks = [(e.seq, r + n - 1) for e, (r, n) in zip(step.entries, rows) if e.wants_logits]
+        if not picks:
             return []
-        tokens, lps, tops = sample(logits, sampled, self.eos_ids)
+        sampled = [seq for seq, _ in picks]
+        at = [r for _, r in picks]
+        tokens, lps, tops = sample(logits if at == list(range(len(at))) else logits[at], sampled, self.eos_ids)
         now = time.monotonic()
         outs = []
         limit = self.manifest.compile.context_limit
@@ -280,6 +299,26 @@ class Engine:
         while self.has_work:
             self.step()
         return seqs
+
+
+def _collect_prompt_logprobs(e, logits: torch.Tensor) -> None:
+    """Prompt logprobs from an entry's rows: row j (position e.start + j) scores prompt token e.start + j + 1.
+    Only the tokens not collected yet (a preempted sequence recomputes its prompt), and none past the prompt."""
+    seq = e.seq
+    done = len(seq.prompt_token_logprobs)               # tokens 1..done are scored
+    lo = done - e.start                                 # the row that scores token done + 1
+    hi = min(e.num_tokens, len(seq.prompt_ids) - 1 - e.start)
+    if lo < 0 or hi <= lo:
+        return
+    x = torch.log_softmax(logits[lo:hi].float(), dim=-1).cpu()
+    targets = torch.tensor(seq.prompt_ids[e.start + lo + 1: e.start + hi + 1])
+    seq.prompt_token_logprobs.extend(x.gather(1, targets[:, None])[:, 0].tolist())
+    k = seq.params.prompt_logprobs or 0
+    if k:
+        v, ix = x.topk(k, dim=-1)
+        seq.prompt_top_logprobs.extend({int(t): float(p) for t, p in zip(i, vv)} for i, vv in zip(ix, v))
+    else:
+        seq.prompt_top_logprobs.extend({} for _ in range(hi - lo))
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:

@@ -35,15 +35,30 @@ class StepInputs:
     context_starts: np.ndarray  # [T] int64, prefill: the token's sequence's first slot in the packed context
 
 
+def logit_rows(step: ScheduledStep) -> list[tuple[int, int]]:
+    """Per entry, (its first row in the step's logits, how many): every position's with all_logits (prompt
+    logprobs; the last one is the sampled row when it wants logits), else its last token's if it wants logits."""
+    out, r = [], 0
+    for e in step.entries:
+        n = e.num_tokens if e.all_logits else int(e.wants_logits)
+        out.append((r, n))
+        r += n
+    return out
+
+
 def build_inputs(step: ScheduledStep, cc: CompileConfig) -> StepInputs:
     """The step's host tensors. Decode: one table row per token. Prefill: one row holding the packed sequences'
     block lists back to back (each up to the block holding its last token in this chunk), and logits rows for
-    the one-row head or, when several packed prompts want logits, the packed head."""
+    the one-row head or, when several packed prompts want logits, the packed head, or, when a prompt's logprobs
+    are wanted, the head over every row of the chunk."""
     T, C, block_size = step.tokens, step.context, cc.block_size
     B = C // block_size
     rows = T if step.kind == DECODE else 1
     wanted = sum(e.wants_logits for e in step.entries)
-    L = T if step.kind == DECODE else (cc.prefill_seqs(T) if wanted > 1 else 1)
+    if step.kind == DECODE or any(e.all_logits for e in step.entries):
+        L = T
+    else:
+        L = cc.prefill_seqs(T) if wanted > 1 else 1
     token_ids = np.zeros(T, np.int64)
     positions = np.zeros(T, np.int64)
     slots = np.full(T, -1, np.int64)
@@ -67,10 +82,10 @@ def build_inputs(step: ScheduledStep, cc: CompileConfig) -> StepInputs:
             slots[t] = seq.block_table[pos // block_size] * block_size + pos % block_size
             if step.kind == DECODE:
                 tables[t, : len(table)] = table
+            if e.all_logits or (e.wants_logits and pos == end - 1):
+                logit_idx[n_logits] = t
+                n_logits += 1
             t += 1
-        if e.wants_logits:
-            logit_idx[n_logits] = t - 1
-            n_logits += 1
     return StepInputs(step.kind, T, C, token_ids, positions, slots, tables, logit_idx, n_logits, starts)
 
 

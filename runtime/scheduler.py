@@ -49,6 +49,14 @@ class StepEntry:
     start: int           # first position computed in this step
     num_tokens: int
     wants_logits: bool   # this step reaches the sequence's last known token: sample the next one
+    all_logits: bool = False   # logits of every position (prompt logprobs), the last one's sampled if wanted
+
+    @staticmethod
+    def of(seq: Sequence, num_tokens: int) -> "StepEntry":
+        """The sequence's next `num_tokens` tokens."""
+        start = seq.num_computed
+        return StepEntry(seq, start, num_tokens, start + num_tokens == seq.num_tokens,
+                         seq.wants_prompt_logprobs and start < len(seq.prompt_ids) - 1)
 
 
 @dataclass(frozen=True)
@@ -129,13 +137,13 @@ class Scheduler:
 
     def _pending(self, seq: Sequence) -> int:
         """Tokens a sequence has left to compute; a waiting one would start after its cached prefix."""
-        if seq.block_table or not self.cfg.prefix_caching:
+        if seq.block_table or not self.cfg.prefix_caching or seq.wants_prompt_logprobs:
             return seq.num_uncomputed
         return seq.num_tokens - len(self.blocks.match(seq)) * self.cfg.block_size
 
     def _claim(self, seq: Sequence) -> None:
         """A waiting sequence about to be admitted takes its cached prefix (undone by _unclaim if it is not)."""
-        if seq.status is Status.WAITING and not seq.block_table:
+        if seq.status is Status.WAITING and not seq.block_table and not seq.wants_prompt_logprobs:
             self.blocks.take(seq, self.blocks.match(seq))
 
     def _unclaim(self, seq: Sequence) -> None:
@@ -159,7 +167,7 @@ class Scheduler:
             preempted = True      # the preempted are waiting again: not packed into the chunk that displaced them
         self._admit(seq)
         self.blocks.allocate(seq, n)
-        entries = [StepEntry(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)]
+        entries = [StepEntry.of(seq, n)]
         used, span = n, self._span(seq.num_computed + n)
         room = self._context_bucket(max(span, budget))
         for other in ([] if preempted else self._prefill_queue(seq)):
@@ -173,7 +181,7 @@ class Scheduler:
                 break
             self._admit(other)
             self.blocks.allocate(other, k)
-            entries.append(StepEntry(other, other.num_computed, k, other.num_computed + k == other.num_tokens))
+            entries.append(StepEntry.of(other, k))
             used += k
             span += more
         bucket = smallest_at_least(self.cfg.prefill_buckets, used)
@@ -205,7 +213,7 @@ class Scheduler:
                 self._preempt(seq)
                 continue
             self.blocks.allocate(seq, n)
-            entries.append(StepEntry(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            entries.append(StepEntry.of(seq, n))
             chosen.add(seq)
             used += n
         for seq in list(self.waiting):
@@ -220,7 +228,7 @@ class Scheduler:
                 break
             self._admit(seq)
             self.blocks.allocate(seq, n)
-            entries.append(StepEntry(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            entries.append(StepEntry.of(seq, n))
             chosen.add(seq)
             used += n
         if not entries:

@@ -23,6 +23,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # top-N logprobs per generated token
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token after the first (echo + logprobs)
     # Logits processing, as OpenAI and vLLM define it (applied in this order, before temperature and top-k/p;
     # greedy takes the argmax after it; logprobs stay the model's own, as vLLM's default reports them):
     min_tokens: int = 0               # EOS and stop_token_ids are masked, stop strings ignored, before this many
@@ -69,6 +70,8 @@ class Sequence:
     generator: torch.Generator | None = None
     output_text: str = ""
     num_preemptions: int = 0
+    prompt_token_logprobs: list[float] = field(default_factory=list)       # of prompt tokens 1, 2, ...
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     stop_from: int = 0                # stop strings are searched from this offset of output_text (min_tokens)
     num_registered: int = 0           # leading blocks of block_table registered in the prefix cache
     num_cached_tokens: int = 0        # prompt tokens whose KV came from the prefix cache at the last admission
@@ -105,6 +108,11 @@ class Sequence:
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all collected (a preempted sequence does not collect them twice)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_token_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def processes_logits(self) -> bool:

@@ -247,8 +247,6 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             raise RequestError(f"field 'best_of'={req.best_of} is not supported (only equal to n)")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise RequestError(f"field 'logprobs'={req.logprobs} must be between 0 and {MAX_LOGPROBS}")
-        if req.echo and req.logprobs is not None:
-            raise RequestError("echo together with logprobs (prompt logprobs) is not supported")
         if req.top_k < -1:
             raise RequestError(f"field 'top_k'={req.top_k} must be -1 (off) or positive")
         if req.seed is not None and not (INT64[0] <= req.seed and req.seed + req.n - 1 <= INT64[1]):
@@ -267,8 +265,11 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                 raise RequestError(f"the prompt is {longest} tokens: the compiled context limit {limit} leaves no "
                                    f"room for output")
             max_tokens = limit - longest
+        if max_tokens == 0 and _scoring(req):
+            max_tokens = 1       # the prompt's logits are all computed anyway; the one token is not returned
         if max_tokens < 1:
-            raise RequestError(f"field 'max_tokens'={max_tokens} must be at least 1")
+            raise RequestError(f"field 'max_tokens'={max_tokens} must be at least 1 (0 only with 'echo': the prompt "
+                               f"scored, nothing generated)")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if any(s == "" for s in stop):
             raise RequestError("field 'stop': stop strings must not be empty")
@@ -280,6 +281,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         return SamplingParams(max_tokens=max_tokens, temperature=_number("temperature", req.temperature),
                               top_p=_number("top_p", req.top_p), top_k=max(0, req.top_k), seed=req.seed, stop=stop,
                               ignore_eos=req.ignore_eos, logprobs=req.logprobs, min_tokens=req.min_tokens,
+                              prompt_logprobs=req.logprobs if req.echo else None,
                               logit_bias=tuple(sorted(bias)),
                               repetition_penalty=_number("repetition_penalty", req.repetition_penalty),
                               presence_penalty=_number("presence_penalty", req.presence_penalty),
@@ -317,9 +319,10 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             off += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
-    def _usage(prompts, streams, n) -> dict:
+    def _usage(req, prompts, streams) -> dict:
+        n = req.n
         p = sum(len(x) for x in prompts)
-        c = sum(len(s.seq.output_ids) for s in streams)
+        c = 0 if _scoring(req) else sum(len(s.seq.output_ids) for s in streams)
         usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
         if engine.scheduler.cfg.prefix_caching:      # as OpenAI and vLLM: prompt tokens served from the cache
             # (each prompt counted once, as prompt_tokens counts it: by its first choice)
@@ -338,20 +341,26 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         finally:
             watcher.cancel()
         choices = []
+        scoring = _scoring(req)
         for idx, (s, events) in enumerate(zip(streams, results)):
             last = events[-1] if events else None
-            text = last.text if last else ""
+            text = last.text if last and not scoring else ""
             if chat:
                 choices.append({"index": idx, "message": {"role": "assistant", "content": text},
                                 "logprobs": _chat_logprobs(events) if req.logprobs is not None else None,
                                 "finish_reason": last.finish_reason if last else "abort"})
                 continue
             prefix = (texts[idx // req.n] or (tok.decode(prompts[idx // req.n]) if tok else "")) if req.echo else ""
-            choices.append({"index": idx, "text": prefix + text,
-                            "logprobs": _logprobs_block(events, len(prefix)) if req.logprobs is not None else None,
-                            "finish_reason": last.finish_reason if last else "abort"})
+            lp = None
+            if req.logprobs is not None:
+                lp = _logprobs_block([] if scoring else events, len(prefix))
+                if req.echo:
+                    lp = _join_blocks(_prompt_logprobs_block(s.seq), lp)
+            choices.append({"index": idx, "text": prefix + text, "logprobs": lp,
+                            "finish_reason": last.finish_reason if last and not scoring else
+                            "length" if last else "abort"})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                "model": model_name, "choices": choices, "usage": _usage(prompts, streams, req.n)}
+                "model": model_name, "choices": choices, "usage": _usage(req, prompts, streams)}
 
     async def _collect(s: Stream) -> list[TokenEvent]:
         events = []
@@ -403,16 +412,32 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
             body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
             if continuous_usage:        # vLLM's extension: the running usage on every chunk
-                body["usage"] = _usage(prompts, streams, req.n)
+                body["usage"] = _usage(req, prompts, streams)
             return "data: " + json.dumps(body) + "\n\n"
+        scoring = _scoring(req)
+        # echo with logprobs: the prompt's chunk waits for the choice's first event (its prompt logprobs are in)
+        echo_waits = req.echo and req.logprobs is not None
+        echoed = [not req.echo] * len(streams)
+
+        def echo(i: int) -> str:
+            echoed[i] = True
+            text = texts[i // req.n] or (tok.decode(prompts[i // req.n]) if tok else "")
+            emitted[i] = len(text)
+            return chunk(i, text, None, _prompt_logprobs_block(streams[i].seq) if echo_waits else None)
         try:
-            if req.echo:
+            if req.echo and not echo_waits:
                 for i in range(len(streams)):
-                    yield chunk(i, texts[i // req.n] or (tok.decode(prompts[i // req.n]) if tok else ""), None, None)
+                    yield echo(i)
             while remaining:
                 i, ev = await merged.get()
                 if isinstance(ev, BaseException):
                     yield "data: " + json.dumps(error_body(f"generation failed: {ev}", "server_error", 500)) + "\n\n"
+                    remaining -= 1
+                    continue
+                if not echoed[i]:
+                    yield echo(i)
+                if scoring:
+                    yield chunk(i, "", "length", None)
                     remaining -= 1
                     continue
                 end = len(ev.text) if ev.finished else max(sent[i], len(ev.text) - holdback)
@@ -426,13 +451,25 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             if include_usage:
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
                                              "model": model_name, "choices": [],
-                                             "usage": _usage(prompts, streams, req.n)}) + "\n\n"
+                                             "usage": _usage(req, prompts, streams)}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:   # also on client disconnect (the generator is closed): free the sequences' KV blocks
             for t in tasks:
                 t.cancel()
             for s in streams:
                 loop.abort(s)
+
+    def _prompt_logprobs_block(seq) -> dict:
+        """The legacy logprobs shape for an echoed prompt: its first token has no logprob (None, as OpenAI's)."""
+        name = (lambda t: tok.token_str(t)) if tok is not None else str
+        tokens = [name(t) for t in seq.prompt_ids]
+        offs, off = [], 0
+        for t in tokens:
+            offs.append(off)
+            off += len(t)
+        tops = [None] + [{name(t): v for t, v in top.items()} for top in seq.prompt_top_logprobs]
+        return {"tokens": tokens, "token_logprobs": [None] + list(seq.prompt_token_logprobs), "top_logprobs": tops,
+                "text_offset": offs}
 
     def _stops(req) -> list[str]:
         return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -446,6 +483,15 @@ def _field(loc: tuple) -> str:
     for x in loc[:3]:
         out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
     return out or "body"
+
+
+def _scoring(req) -> bool:
+    """echo with max_tokens 0: the prompt comes back (with its logprobs), nothing is generated."""
+    return bool(getattr(req, "echo", False)) and req.max_tokens == 0
+
+
+def _join_blocks(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
 
 
 def _number(name: str, value) -> float:

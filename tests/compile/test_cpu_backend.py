@@ -7,7 +7,10 @@ import os
 import tempfile
 import time
 
-from checkpoints import hf_greedy, hf_model
+import pytest
+import torch
+
+from checkpoints import hf_greedy, hf_logits, hf_model
 from deepinfer.compile.driver import compile_artifact
 from deepinfer.compile.options import CompileOptions
 from deepinfer.compile.weights import shard_bytes, shard_specs
@@ -23,14 +26,15 @@ def test_aoti_artifact_matches_transformers_and_recompiles_from_cache(checkpoint
     t = time.perf_counter()
     first = compile_artifact(CompileOptions(out=tmp_path / "a", **opts), log=lambda s: None)
     cold = time.perf_counter() - t
-    # no moe_dense (grouped); two prefill heads: one logits row, and one per packed prompt
-    assert first.cache_misses == len(first.manifest.graphs) == 9 and first.cache_hits == 0
+    # no moe_dense (grouped); three prefill heads: one logits row, one per packed prompt, one per row (prompt
+    # logprobs)
+    assert first.cache_misses == len(first.manifest.graphs) == 10 and first.cache_hits == 0
     assert all(g.file.endswith(".aoti.pt2") for g in first.manifest.graphs)
 
     t = time.perf_counter()
     second = compile_artifact(CompileOptions(out=tmp_path / "b", **opts), log=lambda s: None)
     warm = time.perf_counter() - t
-    assert second.cache_hits == 9 and second.cache_misses == 0
+    assert second.cache_hits == 10 and second.cache_misses == 0
     assert [g.graph_hash for g in second.manifest.graphs] == [g.graph_hash for g in first.manifest.graphs]
     assert warm < cold / 3, f"cached compile {warm:.1f}s vs cold {cold:.1f}s"
 
@@ -45,6 +49,11 @@ def test_aoti_artifact_matches_transformers_and_recompiles_from_cache(checkpoint
     for prompt in ([7, 8, 9], list(range(5, 45))):
         got = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].output_ids
         assert got == hf_greedy(hf, prompt, 16)
+    # prompt logprobs through the every-row prefill head
+    prompt = list(range(5, 45))
+    s = engine.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    ref = torch.log_softmax(hf_logits(hf, prompt), dim=-1)
+    assert s.prompt_token_logprobs == pytest.approx([float(ref[i, prompt[i + 1]]) for i in range(39)], abs=1e-4)
 
 
 def test_aoti_multi_rank_artifact_matches_single_rank(checkpoints, cache_dir, tmp_path):

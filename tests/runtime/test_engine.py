@@ -154,6 +154,45 @@ def test_logit_bias_stop_token_ids_min_tokens_and_penalties_end_to_end(engine):
     assert len(set(plain)) < len(plain) and len(set(spread.output_ids)) > len(set(plain))
 
 
+def test_prompt_logprobs_match_transformers(checkpoints, compile_artifact, engine):
+    """Prompt logprobs (echo + logprobs) of prompts run as decode steps, in one and several prefill chunks and
+    packed with others: transformers' log-softmax of the next prompt token at every position, and its top-3; a
+    prompt scored twice is computed twice (the prefix cache cannot give logits), and a preempted one (a small
+    pool) does not collect them twice."""
+    from checkpoints import hf_logits, hf_model
+    hf = hf_model(checkpoints["base"])
+    ps = prompts([1, 3, 20, 45, 90, 7], seed=51)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=3)
+    for seqs in (engine.generate(ps, params), [engine.generate([p], params)[0] for p in ps]):
+        for p, s in zip(ps, seqs):
+            ref = torch.log_softmax(hf_logits(hf, p), dim=-1)
+            want = [float(ref[i, p[i + 1]]) for i in range(len(p) - 1)]
+            assert s.prompt_token_logprobs == pytest.approx(want, abs=1e-4)
+            assert len(s.prompt_top_logprobs) == len(p) - 1
+            for i, top in enumerate(s.prompt_top_logprobs):
+                assert set(top) == set(ref[i].topk(3).indices.tolist())
+            assert s.num_cached_tokens == 0
+    small = Engine.from_artifact(compile_artifact(checkpoints["base"], num_kv_blocks=9))
+    seqs = small.generate(prompts([60, 50, 40], seed=52), SamplingParams(max_tokens=30, ignore_eos=True,
+                                                                          prompt_logprobs=0))
+    assert sum(s.num_preemptions for s in seqs) > 0
+    for p, s in zip(prompts([60, 50, 40], seed=52), seqs):
+        ref = torch.log_softmax(hf_logits(hf, p), dim=-1)
+        assert s.prompt_token_logprobs == pytest.approx([float(ref[i, p[i + 1]]) for i in range(len(p) - 1)],
+                                                        abs=1e-4)
+
+
+def test_an_artifact_without_prompt_logprob_heads_refuses_them_and_serves_the_rest(engine):
+    """An artifact from before prompt logprobs (no head over every row of its prefill chunks): such a request is a
+    RequestError naming the cause, not a failed step; other requests are served as before."""
+    m = engine.manifest
+    old = dataclasses.replace(m, graphs=tuple(g for g in m.graphs if g.name != "head.prefill.t32.l32"))
+    e = Engine(old, engine.runner, engine.tokenizer)
+    with pytest.raises(RequestError, match="compiled without the prefill heads"):
+        e.add_request([5, 6, 7], SamplingParams(prompt_logprobs=1))
+    assert e.generate([[5, 6, 7]], GREEDY)[0].output_ids == engine.generate([[5, 6, 7]], GREEDY)[0].output_ids
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     p = prompts([10, 12], seed=5)
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)

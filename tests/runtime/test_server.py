@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from ports import free_port
 
@@ -261,6 +262,37 @@ def test_repeated_prompts_report_cached_tokens_and_the_metrics_count_hits(server
     metrics = httpx.get(server["base"] + "/metrics").text
     hits = next(float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("deepinfer_prefix_cache_hits_"))
     assert hits >= 48 + 16 and "deepinfer_kv_blocks_cached" in metrics
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, checkpoints):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1; and the older max_tokens 0,
+    which scores the prompt without generating): the prompt's tokens with their logprobs (None for the first),
+    transformers' log-softmax at every position, then the generated token's; streamed, the prompt's chunk
+    carries them."""
+    from checkpoints import hf_logits, hf_model
+    prompt = [(13 * j) % 300 + 2 for j in range(45)]
+    ref = torch.log_softmax(hf_logits(hf_model(checkpoints["base"]), prompt), dim=-1)
+    want = [float(ref[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    body = {"prompt": prompt, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    r = post(server, body).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(prompt) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:-1] == pytest.approx(want, abs=1e-4)
+    assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
+    assert r["usage"]["completion_tokens"] == 1
+    scored = post(server, dict(body, max_tokens=0)).json()
+    c = scored["choices"][0]
+    assert c["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1] and c["finish_reason"] == "length"
+    assert c["text"] == post(server, {"tokens": prompt}, path="/detokenize").json()["prompt"]
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == len(prompt)
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=dict(body, stream=True, max_tokens=3),
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as resp:
+        chunks = [json.loads(e[6:]) for e in "".join(resp.iter_text()).split("\n\n") if e.startswith("data: {")]
+    first = chunks[0]["choices"][0]
+    assert first["text"] == c["text"] and first["logprobs"]["token_logprobs"] == c["logprobs"]["token_logprobs"]
+    assert len(chunks) == 4 and chunks[1]["choices"][0]["logprobs"]["text_offset"] == [len(c["text"])]
+    assert post(server, {"prompt": "x", "max_tokens": 0}).status_code == 400       # 0 only with echo
 
 
 def test_oversized_bodies_are_413s_and_the_server_keeps_serving(server):
