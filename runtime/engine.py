@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 import time
@@ -20,6 +21,8 @@ from .sampler import sample
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+log = logging.getLogger("deepinfer.engine")
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Engine:
         self.has_prompt_logprobs = all(graph_name(HEAD, PREFILL, T, logit_rows=T) in names
                                        for T in cc.prefill_buckets if T > 1)
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._grammars = None             # structured outputs' grammar engine, built at its first request
         self.num_steps = 0
         self.num_generated = 0
         self.host_seconds = 0.0
@@ -189,10 +193,31 @@ class Engine:
         bad = next((t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
         if bad is not None:
             raise RequestError(f"stop_token_ids: {bad!r} is outside the vocabulary [0, {vocab})")
+        if params.structure is not None:
+            self.grammars().check(params.structure)
+
+    def grammars(self):
+        """The structured-output grammar engine for this model's tokenizer (llguidance), built once."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                from .tokenizer import no_tokenizer
+                raise no_tokenizer("structured outputs")
+            from .structured import Grammars
+            try:
+                self._grammars = Grammars(self.tokenizer.to_json(), self.manifest.model.vocab_size,
+                                          sorted(self.eos_ids))
+            except Exception as e:       # e.g. a tokenizer with more tokens than the model's vocabulary
+                self._grammars = RequestError(f"structured outputs are unavailable with this artifact's tokenizer "
+                                              f"({type(e).__name__}: {e})")
+        if isinstance(self._grammars, RequestError):
+            raise self._grammars
+        return self._grammars
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.validate(prompt_ids, params)
         seq = Sequence(list(prompt_ids), params)
+        if params.structure is not None:
+            seq.constraint = self.grammars().constraint(params.structure)
         self.scheduler.add(seq)
         if self.tokenizer is not None:
             self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
@@ -271,7 +296,11 @@ class Engine:
             if early:
                 seq.stop_from = len(seq.output_text)
             cut = False
-            if stop_token:
+            if seq.constraint is not None:
+                seq.constraint.consume(tok)
+                if seq.constraint.error:
+                    log.warning("request %d: structured output stopped: %s", seq.seq_id, seq.constraint.error)
+            if stop_token or (seq.constraint is not None and seq.constraint.done):
                 reason = "stop"
             elif seq.params.stop and det is not None and not early:
                 hit = _first_stop(seq.output_text, seq.params.stop, seq.stop_from)
@@ -310,15 +339,18 @@ def _collect_prompt_logprobs(e, logits: torch.Tensor) -> None:
     hi = min(e.num_tokens, len(seq.prompt_ids) - 1 - e.start)
     if lo < 0 or hi <= lo:
         return
-    x = torch.log_softmax(logits[lo:hi].float(), dim=-1).cpu()
-    targets = torch.tensor(seq.prompt_ids[e.start + lo + 1: e.start + hi + 1])
-    seq.prompt_token_logprobs.extend(x.gather(1, targets[:, None])[:, 0].tolist())
     k = seq.params.prompt_logprobs or 0
-    if k:
-        v, ix = x.topk(k, dim=-1)
-        seq.prompt_top_logprobs.extend({int(t): float(p) for t, p in zip(i, vv)} for i, vv in zip(ix, v))
-    else:
-        seq.prompt_top_logprobs.extend({} for _ in range(hi - lo))
+    for a in range(lo, hi, 256):        # where the logits are (an accelerator too), a few rows of [V] at a time;
+        b = min(a + 256, hi)            # only the [n] and [n, k] results come to the host
+        x = torch.log_softmax(logits[a:b].float(), dim=-1)
+        targets = torch.tensor(seq.prompt_ids[e.start + a + 1: e.start + b + 1], device=x.device)
+        seq.prompt_token_logprobs.extend(x.gather(1, targets[:, None])[:, 0].tolist())
+        if k:
+            v, ix = x.topk(k, dim=-1)
+            seq.prompt_top_logprobs.extend({int(t): float(p) for t, p in zip(i, vv)}
+                                           for i, vv in zip(ix.tolist(), v.tolist()))
+        else:
+            seq.prompt_top_logprobs.extend({} for _ in range(b - a))
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:

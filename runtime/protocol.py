@@ -40,6 +40,15 @@ class SamplingFields(BaseModel):
     logit_bias: dict[StrictStr, Number] | None = None     # token id (as a string, as OpenAI's) -> bias
     min_tokens: StrictInt = 0                            # vLLM's extension
     stop_token_ids: list[StrictInt] | None = None        # vLLM's extension
+    # Structured outputs: OpenAI's response_format (json_object, json_schema), vLLM's structured_outputs
+    # ({json | regex | choice | grammar | json_object}) and its older guided_* fields; at most one of them.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None     # accepted and ignored: one grammar engine here
 
 
 class CompletionRequest(SamplingFields):
@@ -72,11 +81,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True       # vLLM's extension: end the prompt with the assistant's turn
-    # Accepted at their neutral values only (what clients send by default); store and metadata are ignored.
+    # Tools are accepted at their neutral values only (what clients send by default); store and metadata are ignored.
     tools: list | None = None
     tool_choice: StrictStr | dict | None = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: dict | None = None
     store: StrictBool | None = None
     metadata: dict | None = None
 

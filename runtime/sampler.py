@@ -1,5 +1,5 @@
-"""Next-token choice per sequence: logits processing (min_tokens, logit_bias, repetition / presence / frequency
-penalties), then greedy or temperature, top-k, top-p, each request with its own seeded RNG."""
+"""Next-token choice per sequence: logits processing (structured outputs' grammars, min_tokens, logit_bias,
+repetition / presence / frequency penalties), then greedy or temperature, top-k, top-p, each request with its own seeded RNG."""
 
 from __future__ import annotations
 
@@ -51,14 +51,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int] |
 
 
 def process_logits(row: torch.Tensor, seq: Sequence, eos_ids=frozenset()) -> torch.Tensor:
-    """In place on one sequence's fp32 logits [V], in vLLM's order: min_tokens masks the stop tokens, logit_bias
-    adds, then the penalties (repetition over prompt and output, as transformers' RepetitionPenaltyLogitsProcessor;
+    """In place on one sequence's fp32 logits [V], in vLLM's order: a structured output's grammar masks what it does
+    not allow, min_tokens masks the stop tokens, logit_bias adds, then the penalties (repetition over prompt and output, as transformers' RepetitionPenaltyLogitsProcessor;
     presence and frequency over the output, as OpenAI defines them)."""
     p = seq.params
+    if seq.constraint is not None:          # structured output: what the grammar does not allow next
+        row[torch.from_numpy(~seq.constraint.allowed())] = float("-inf")
     if len(seq.output_ids) < p.min_tokens:
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-        if stops:
-            row[torch.tensor(sorted(stops))] = float("-inf")
+        stops = torch.tensor(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))),
+                             dtype=torch.long)
+        kept = row.clone()
+        row[stops] = float("-inf")
+        if not torch.isfinite(row).any():     # a grammar that allows only EOS now: it wins over min_tokens
+            row.copy_(kept)
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias])
         row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype))

@@ -32,6 +32,7 @@ class SamplingParams:
     presence_penalty: float = 0.0     # minus this for every token the output holds
     frequency_penalty: float = 0.0    # minus this times the token's count in the output
     stop_token_ids: tuple[int, ...] = ()   # generating one of these finishes the sequence ("stop")
+    structure: str | None = None      # an llguidance grammar the output must match (runtime/structured.py)
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +78,7 @@ class Sequence:
     num_cached_tokens: int = 0        # prompt tokens whose KV came from the prefix cache at the last admission
     _keys: list = field(default_factory=list, repr=False)   # prefix-cache keys of the leading full blocks
     cache_match: tuple | None = field(default=None, repr=False)   # BlockManager.match's memo
+    constraint: object | None = field(default=None, repr=False)   # structured.Constraint of params.structure
 
     def __post_init__(self):
         if not self.params.greedy:
@@ -117,7 +119,8 @@ class Sequence:
     @property
     def processes_logits(self) -> bool:
         """Whether its next token's logits are processed (min_tokens only while the output is shorter)."""
-        return self.params.processes_logits or len(self.output_ids) < self.params.min_tokens
+        return (self.params.processes_logits or len(self.output_ids) < self.params.min_tokens or
+                self.constraint is not None)
 
     @property
     def is_finished(self) -> bool:

@@ -148,9 +148,8 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         if tok is None:
             raise no_tokenizer("a chat request")
         messages = [_message(i, m) for i, m in enumerate(creq.messages)]
-        for name, neutral in (("tools", []), ("response_format", {"type": "text"})):
-            if getattr(creq, name) not in (None, neutral):
-                raise RequestError(f"field '{name}' is not supported (only {json.dumps(neutral)})")
+        if creq.tools not in (None, []):
+            raise RequestError("field 'tools' is not supported (only [])")
         if creq.tool_choice not in (None, "none", "auto"):
             raise RequestError("field 'tool_choice' is not supported (no tools: only 'none' or 'auto')")
         # a template is a program: rendering runs off the event loop, as tokenizing does
@@ -175,7 +174,11 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
 
     async def _generate(request: Request, req: CompletionRequest, prompts: list[list[int]], texts: list[str | None],
                         chat: bool):
-        params = _sampling(req, prompts, limit)
+        structured = any(getattr(req, f) is not None for f in ("response_format", "structured_outputs", "guided_json",
+                                                               "guided_regex", "guided_choice", "guided_grammar"))
+        # building and checking a grammar against the vocabulary can take a while: not on the event loop
+        params = await asyncio.to_thread(_sampling, req, prompts, limit) if structured else \
+            _sampling(req, prompts, limit)
         streams: list[Stream] = []
         try:
             for i, ids in enumerate(prompts):
@@ -286,7 +289,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                               repetition_penalty=_number("repetition_penalty", req.repetition_penalty),
                               presence_penalty=_number("presence_penalty", req.presence_penalty),
                               frequency_penalty=_number("frequency_penalty", req.frequency_penalty),
-                              stop_token_ids=tuple(req.stop_token_ids or ()))
+                              stop_token_ids=tuple(req.stop_token_ids or ()), structure=_structure(req, engine))
 
     def _message(i: int, m: ChatMessage) -> dict:
         # fields sent as null are left out, as transformers' apply_chat_template does (templates test `is defined`)
@@ -314,7 +317,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             s = tok.token_str(ev.token_id) if tok is not None else str(ev.token_id)
             tokens.append(s)
             lps.append(ev.logprob)
-            tops.append({(tok.token_str(t) if tok else str(t)): v for t, v in ev.top_logprobs.items()})
+            tops.append(_by_string(ev.top_logprobs, tok))
             offs.append(off)
             off += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
@@ -353,9 +356,10 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             prefix = (texts[idx // req.n] or (tok.decode(prompts[idx // req.n]) if tok else "")) if req.echo else ""
             lp = None
             if req.logprobs is not None:
-                lp = _logprobs_block([] if scoring else events, len(prefix))
-                if req.echo:
-                    lp = _join_blocks(_prompt_logprobs_block(s.seq), lp)
+                head = _prompt_logprobs_block(s.seq) if req.echo else None
+                lp = _logprobs_block([] if scoring else events, _offset_after(head) if head else len(prefix))
+                if head is not None:
+                    lp = _join_blocks(head, lp)
             choices.append({"index": idx, "text": prefix + text, "logprobs": lp,
                             "finish_reason": last.finish_reason if last and not scoring else
                             "length" if last else "abort"})
@@ -422,8 +426,9 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         def echo(i: int) -> str:
             echoed[i] = True
             text = texts[i // req.n] or (tok.decode(prompts[i // req.n]) if tok else "")
-            emitted[i] = len(text)
-            return chunk(i, text, None, _prompt_logprobs_block(streams[i].seq) if echo_waits else None)
+            head = _prompt_logprobs_block(streams[i].seq) if echo_waits else None
+            emitted[i] = _offset_after(head) if head else len(text)
+            return chunk(i, text, None, head)
         try:
             if req.echo and not echo_waits:
                 for i in range(len(streams)):
@@ -467,9 +472,14 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         for t in tokens:
             offs.append(off)
             off += len(t)
-        tops = [None] + [{name(t): v for t, v in top.items()} for top in seq.prompt_top_logprobs]
+        tops = [None] + [_by_string(top, tok) for top in seq.prompt_top_logprobs]
         return {"tokens": tokens, "token_logprobs": [None] + list(seq.prompt_token_logprobs), "top_logprobs": tops,
                 "text_offset": offs}
+
+    def _offset_after(block: dict) -> int:
+        """Where the tokens after a logprobs block start: offsets stay monotonic over the prompt's token strings
+        (a BOS or a byte-fallback piece is not the echoed text's length)."""
+        return block["text_offset"][-1] + len(block["tokens"][-1]) if block["tokens"] else 0
 
     def _stops(req) -> list[str]:
         return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -485,9 +495,71 @@ def _field(loc: tuple) -> str:
     return out or "body"
 
 
+def _structure(req, engine) -> str | None:
+    """The request's structured-output constraint as an llguidance grammar (None: free text), checked against the
+    model's tokenizer (errors name the field)."""
+    from .structured import grammar_of
+    specs = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            specs.append(("response_format", "json_object", None))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or "schema" not in js:
+                raise RequestError("field 'response_format': a json_schema response format needs "
+                                   "'json_schema': {'name': ..., 'schema': {...}}")
+            specs.append(("response_format", "json", js["schema"]))
+        elif kind != "text":
+            raise RequestError(f"field 'response_format': type {kind!r} is not one of 'text', 'json_object', "
+                               f"'json_schema'")
+    so = dict(req.structured_outputs or {})
+    # vLLM's options that only tune its own backends' JSON whitespace (ours has none) or name a backend
+    for key in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback", "backend"):
+        so.pop(key, None)
+    unknown = set(so) - {"json", "regex", "choice", "grammar", "json_object"}
+    if unknown:
+        raise RequestError(f"field 'structured_outputs': unknown key(s) {', '.join(sorted(unknown))} (one of json, "
+                           f"regex, choice, grammar, json_object)")
+    for key, value in so.items():
+        if key == "json_object":
+            if not isinstance(value, bool):
+                raise RequestError("field 'structured_outputs': 'json_object' takes true or false")
+            if value:
+                specs.append(("structured_outputs", "json_object", None))
+        elif value is not None:
+            specs.append(("structured_outputs", key, value))
+    for key in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, "guided_" + key)
+        if value is not None:
+            specs.append(("guided_" + key, key, value))
+    if len(specs) > 1:
+        raise RequestError(f"more than one structured output asked for ({', '.join(s[0] for s in specs)}): "
+                           f"send one")
+    if not specs:
+        return None
+    field, kind, spec = specs[0]
+    try:
+        grammar = grammar_of(kind, spec)
+        engine.grammars().check(grammar)
+        return grammar
+    except RequestError as e:
+        raise RequestError(f"field '{field}': {e}") from None
+
+
 def _scoring(req) -> bool:
     """echo with max_tokens 0: the prompt comes back (with its logprobs), nothing is generated."""
     return bool(getattr(req, "echo", False)) and req.max_tokens == 0
+
+
+def _by_string(top: dict[int, float], tok) -> dict[str, float]:
+    """Top logprobs keyed by token text, as OpenAI's legacy shape; tokens that print alike (byte pieces as U+FFFD)
+    keep the highest value (the dict comes best first)."""
+    out: dict[str, float] = {}
+    for t, v in top.items():
+        out.setdefault(tok.token_str(t) if tok is not None else str(t), v)
+    return out
 
 
 def _join_blocks(a: dict, b: dict) -> dict:

@@ -56,6 +56,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance builds its token tries from)."""
+        return self._tok.to_str()
+
     def token_str(self, tok: int) -> str:
         return self._tok.decode([tok], skip_special_tokens=False)
 

@@ -193,6 +193,24 @@ def test_an_artifact_without_prompt_logprob_heads_refuses_them_and_serves_the_re
     assert e.generate([[5, 6, 7]], GREEDY)[0].output_ids == engine.generate([[5, 6, 7]], GREEDY)[0].output_ids
 
 
+def test_structured_output_constrains_only_its_own_sequence(engine):
+    """A Lark grammar's sequence generates a sentence of the grammar and stops there ("stop"); batched with it, an
+    unconstrained sequence generates what it does alone; a grammar that does not build is a RequestError."""
+    import re
+    from deepinfer.runtime.structured import grammar_of
+    p = prompts([8], seed=61)[0]
+    free = engine.generate([p], GREEDY)[0].output_ids
+    lark = 'start: "(" num "," num ")"\nnum: /[0-9]{1,2}/'
+    for temperature in (0.0, 1.0):
+        a, b = engine.generate([p, p], [SamplingParams(max_tokens=40, temperature=temperature, seed=5,
+                                                       structure=grammar_of("grammar", lark)), GREEDY])
+        assert re.fullmatch(r"\([0-9]{1,2},[0-9]{1,2}\)", a.output_text) and a.finish_reason == "stop"
+        assert b.output_ids == free
+    with pytest.raises(RequestError, match="structured output"):
+        engine.add_request(p, SamplingParams(structure=grammar_of("grammar", "start: missing")))
+    assert not engine.has_work
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     p = prompts([10, 12], seed=5)
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)

@@ -152,6 +152,12 @@ def test_served_greedy_equals_offline_run_also_under_32_concurrent(server):
     ({"prompt": "x", "logit_bias": [5]}, "logit_bias"),
     ({"prompt": "x", "stop_token_ids": [320]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"yaml": "a"}}, "unknown key"),
+    ({"prompt": "x", "structured_outputs": {"choice": []}}, "choice"),
+    ({"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, "more than one"),
+    ({"prompt": "x", "guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    ({"prompt": "x", "guided_json": "{not json"}, "guided_json"),
 ])
 def test_bad_requests_get_openai_errors(server, body, fragment):
     r = post(server, body)
@@ -218,7 +224,10 @@ def test_chat_completions_are_completions_of_the_chat_templates_prompt(server):
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frob"}}}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"five": 1}}, "logit_bias"),
@@ -280,6 +289,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, checkpoint
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][1:-1] == pytest.approx(want, abs=1e-4)
     assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"])      # monotonic from the prompt into the output
     assert r["usage"]["completion_tokens"] == 1
     scored = post(server, dict(body, max_tokens=0)).json()
     c = scored["choices"][0]
@@ -293,6 +303,42 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, checkpoint
     assert first["text"] == c["text"] and first["logprobs"]["token_logprobs"] == c["logprobs"]["token_logprobs"]
     assert len(chunks) == 4 and chunks[1]["choices"][0]["logprobs"]["text_offset"] == [len(c["text"])]
     assert post(server, {"prompt": "x", "max_tokens": 0}).status_code == 400       # 0 only with echo
+
+
+def test_structured_outputs_follow_their_schema_over_both_endpoints(server):
+    """OpenAI's response_format (json_schema through the openai client's chat, json_object) and vLLM's
+    structured_outputs / guided_* (regex, choice) constrain what is generated: the text parses and matches."""
+    import re
+    from openai import OpenAI
+    client = OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY)
+    model = client.models.list().data[0].id
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "kind": {"enum": ["a", "b"]}},
+              "required": ["name", "n", "kind"], "additionalProperties": False}
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Give JSON"}],
+                                       max_tokens=80, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "thing", "schema": schema}})
+    out = json.loads(r.choices[0].message.content)
+    assert set(out) == {"name", "n", "kind"} and isinstance(out["name"], str) and len(out["name"]) <= 8
+    assert 0 <= out["n"] <= 99 and out["kind"] in ("a", "b") and r.choices[0].finish_reason == "stop"
+    body = {"prompt": "Hello", "max_tokens": 40, "temperature": 0.8, "seed": 3}
+    c = post(server, dict(body, structured_outputs={"regex": "[0-9]{3}-[a-z]{2,4}"})).json()["choices"][0]
+    assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", c["text"]) and c["finish_reason"] == "stop"
+    c = post(server, dict(body, guided_choice=["left", "right", "up \"quoted\""])).json()["choices"][0]
+    assert c["text"] in ("left", "right", 'up "quoted"')
+    anything = post(server, dict(body, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "any", "schema": True}})).json()["choices"][0]
+    if anything["finish_reason"] == "stop":
+        json.loads(anything["text"])
+    off = post(server, dict(body, max_tokens=5, structured_outputs={"json_object": False}))
+    assert off.status_code == 200 and off.json()["usage"]["completion_tokens"] == 5 or \
+        off.json()["choices"][0]["finish_reason"] == "stop"
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=model, prompt="Hello", max_tokens=40, temperature=0, stream=True,
+        extra_body={"response_format": {"type": "json_object"}}) if ch.choices)
+    assert streamed.startswith("{")
 
 
 def test_oversized_bodies_are_413s_and_the_server_keeps_serving(server):
