@@ -53,12 +53,12 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ArtifactError(f"{origin}: the chat template does not parse (line {e.lineno}: {e.message})") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         import jinja2
         try:
-            # tools and documents as transformers passes them without any: None, not undefined
+            # tools and documents as transformers passes them: None, not undefined, when there are none
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self.special_tokens)
+                                         tools=tools or None, documents=None, **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:     # raise_exception(...) in the template, or a bad message
             raise RequestError(f"the chat template refused the messages: {e}") from None
         except Exception as e:           # the template's own arithmetic or lookups on what the client sent

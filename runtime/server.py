@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -24,6 +25,7 @@ from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, Sa
                        now)
 from .sequence import GREEDY_BELOW, SamplingParams
 from .tokenizer import Tokenizer, no_tokenizer
+from .tools import ToolParser, check_tools, forced_calls, forced_schema
 
 log = logging.getLogger("deepinfer.server")
 MAX_N = 16
@@ -52,6 +54,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
     limit = engine.manifest.compile.context_limit
     vocab = engine.manifest.model.vocab_size
     app = FastAPI(title="deepinfer", version="0.1.0")
+    parser = ToolParser(tok) if tok is not None else None
 
     # A dependency of the /v1 routes rather than an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
     # disconnects from request.is_disconnected(), so aborted non-streaming requests would keep generating.
@@ -148,12 +151,9 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         if tok is None:
             raise no_tokenizer("a chat request")
         messages = [_message(i, m) for i, m in enumerate(creq.messages)]
-        if creq.tools not in (None, []):
-            raise RequestError("field 'tools' is not supported (only [])")
-        if creq.tool_choice not in (None, "none", "auto"):
-            raise RequestError("field 'tool_choice' is not supported (no tools: only 'none' or 'auto')")
+        tools, mode = _tool_mode(creq)
         # a template is a program: rendering runs off the event loop, as tokenizing does
-        ids = await asyncio.to_thread(tok.encode_chat, messages, creq.add_generation_prompt)
+        ids = await asyncio.to_thread(tok.encode_chat, messages, creq.add_generation_prompt, tools)
         if not ids:
             raise RequestError("the chat template rendered these messages as an empty prompt")
         if creq.max_tokens is not None and creq.max_completion_tokens is not None and \
@@ -166,16 +166,48 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             if not 0 <= creq.top_logprobs <= MAX_LOGPROBS:
                 raise RequestError(f"field 'top_logprobs'={creq.top_logprobs} must be between 0 and {MAX_LOGPROBS}")
         # the rest is a completion request for the rendered prompt
-        req = CompletionRequest(**{k: getattr(creq, k) for k in SamplingFields.model_fields}, prompt=ids,
-                                max_tokens=creq.max_tokens if creq.max_completion_tokens is None
+        fields = {k: getattr(creq, k) for k in SamplingFields.model_fields}
+        if mode is not None and mode.schema is not None:     # a forced call: its JSON is the output
+            fields["structured_outputs"] = {"json": mode.schema}
+        req = CompletionRequest(**fields, prompt=ids, max_tokens=creq.max_tokens if creq.max_completion_tokens is None
                                 else creq.max_completion_tokens,
                                 logprobs=(creq.top_logprobs or 0) if creq.logprobs else None)
-        return await _generate(request, req, [ids], [None], chat=True)
+        return await _generate(request, req, [ids], [None], chat=True, tools=mode)
+
+    def _tool_mode(creq: ChatCompletionRequest) -> tuple[list[dict] | None, "ToolMode | None"]:
+        """The tools the template sees, and how calls come out: parsed from DeepSeek's markers ("auto"), forced
+        as JSON ("required", a named function), or not at all ("none", no tools)."""
+        tools = check_tools(creq.tools) if creq.tools else None
+        choice = creq.tool_choice
+        if choice is None:
+            choice = "auto" if tools else "none"
+        named = isinstance(choice, dict)
+        if named and not (choice.get("type") == "function" and isinstance(choice.get("function"), dict) and
+                          isinstance(choice["function"].get("name"), str)):
+            raise RequestError("field 'tool_choice' must be 'none', 'auto', 'required' or "
+                               "{'type': 'function', 'function': {'name': ...}}")
+        if not named and choice not in ("none", "auto", "required"):
+            raise RequestError(f"field 'tool_choice'={choice!r} is not one of 'none', 'auto', 'required' or a "
+                               f"named function")
+        if choice == "none":
+            return tools, None
+        if not tools:
+            raise RequestError(f"field 'tool_choice'={json.dumps(choice)} needs 'tools'")
+        if choice == "auto":
+            if not parser.available:
+                raise RequestError("tool calls with tool_choice 'auto' need DeepSeek's tool-call tokens "
+                                   "(<｜tool▁calls▁begin｜>, ...) in the tokenizer, which this model's lacks; use "
+                                   "tool_choice 'required' or a named function")
+            return tools, ToolMode(None, None)
+        if any(getattr(creq, f) is not None for f in STRUCTURED_FIELDS):
+            raise RequestError("a forced tool call (tool_choice 'required' or a named function) is structured "
+                               "output already: drop the other structured-output field")
+        schema, name = forced_schema(tools, choice)
+        return tools, ToolMode(schema, name)
 
     async def _generate(request: Request, req: CompletionRequest, prompts: list[list[int]], texts: list[str | None],
-                        chat: bool):
-        structured = any(getattr(req, f) is not None for f in ("response_format", "structured_outputs", "guided_json",
-                                                               "guided_regex", "guided_choice", "guided_grammar"))
+                        chat: bool, tools: "ToolMode | None" = None):
+        structured = any(getattr(req, f) is not None for f in STRUCTURED_FIELDS)
         # building and checking a grammar against the vocabulary can take a while: not on the event loop
         params = await asyncio.to_thread(_sampling, req, prompts, limit) if structured else \
             _sampling(req, prompts, limit)
@@ -193,9 +225,10 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             metrics.prompt_tokens.inc(len(ids))
         rid = new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
-            return StreamingResponse(_sse(rid, req, streams, prompts, texts, chat), media_type="text/event-stream",
+            return StreamingResponse(_sse(rid, req, streams, prompts, texts, chat, tools),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(request, rid, req, streams, prompts, texts, chat)
+        return await _complete(request, rid, req, streams, prompts, texts, chat, tools)
 
     # -- helpers --------------------------------------------------------------------------------
     async def _json(request: Request) -> dict:
@@ -333,7 +366,14 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
-    async def _complete(request, rid, req, streams, prompts, texts, chat):
+    def _calls(mode: "ToolMode", seq, text: str) -> tuple[str | None, list[dict]]:
+        """A finished choice's (content, tool calls) in a tool mode."""
+        if mode.schema is not None:
+            return None, forced_calls(text, mode.name)
+        content, calls = parser.split(seq.output_ids)
+        return (content or None, calls) if calls else (text, [])
+
+    async def _complete(request, rid, req, streams, prompts, texts, chat, tools=None):
         watcher = asyncio.create_task(_watch_disconnect(request, streams))
         try:
             results = await asyncio.gather(*(_collect(s) for s in streams))
@@ -349,9 +389,14 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             last = events[-1] if events else None
             text = last.text if last and not scoring else ""
             if chat:
-                choices.append({"index": idx, "message": {"role": "assistant", "content": text},
+                message, finish = {"role": "assistant", "content": text}, last.finish_reason if last else "abort"
+                if tools is not None and last is not None:
+                    content, calls = _calls(tools, s.seq, text)
+                    if calls:
+                        message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+                choices.append({"index": idx, "message": message,
                                 "logprobs": _chat_logprobs(events) if req.logprobs is not None else None,
-                                "finish_reason": last.finish_reason if last else "abort"})
+                                "finish_reason": finish})
                 continue
             prefix = (texts[idx // req.n] or (tok.decode(prompts[idx // req.n]) if tok else "")) if req.echo else ""
             lp = None
@@ -384,7 +429,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                     loop.abort(s)
                 return
 
-    async def _sse(rid, req, streams, prompts, texts, chat):
+    async def _sse(rid, req, streams, prompts, texts, chat, tools=None):
         merged: asyncio.Queue = asyncio.Queue()
 
         async def forward(i: int, s: Stream):
@@ -407,9 +452,14 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
 
         named = [False] * len(streams)
 
-        def chunk(i: int, text: str, finish: str | None, lp: dict | None) -> str:
+        held = [tools is not None and tools.schema is not None] * len(streams)   # tool-call text: not content
+
+        def chunk(i: int, text: str, finish: str | None, lp: dict | None, calls: list[dict] | None = None) -> str:
             if chat:    # a choice's first chunk, which carries its first token (clients time TTFT by it), names the role
                 delta = {"content": text} if named[i] else {"role": "assistant", "content": text}
+                if calls:
+                    delta = {**({} if named[i] else {"role": "assistant"}),
+                             "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
                 named[i] = True
                 choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
@@ -445,12 +495,19 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                     yield chunk(i, "", "length", None)
                     remaining -= 1
                     continue
+                if tools is not None and tools.schema is None and ev.token_id == parser.calls_begin:
+                    held[i] = True          # DeepSeek's calls begin: the rest is parsed at the end, not content
                 end = len(ev.text) if ev.finished else max(sent[i], len(ev.text) - holdback)
-                delta = ev.text[sent[i]:end]
-                sent[i] = end
+                delta = "" if held[i] else ev.text[sent[i]:end]
+                sent[i] = sent[i] if held[i] else end
                 lp = None if req.logprobs is None else _chat_logprobs([ev]) if chat else _logprobs_block([ev], emitted[i])
                 emitted[i] += len(delta)
-                yield chunk(i, delta, ev.finish_reason if ev.finished else None, lp)
+                calls = None
+                if ev.finished and tools is not None:
+                    _, calls = _calls(tools, streams[i].seq, ev.text)
+                finish = ("tool_calls" if calls else ev.finish_reason) if ev.finished else None
+                if not held[i] or lp is not None or finish or not named[i]:
+                    yield chunk(i, delta, finish, lp, calls)
                 if ev.finished:
                     remaining -= 1
             if include_usage:
@@ -548,6 +605,18 @@ def _structure(req, engine) -> str | None:
         raise RequestError(f"field '{field}': {e}") from None
 
 
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolMode:
+    """How a chat request's tool calls come out: parsed from the model's markers (schema None), or forced as JSON
+    of `schema` (tool_choice "required": a list of calls; a named function: its arguments)."""
+    schema: dict | None
+    name: str | None
+
+
 def _scoring(req) -> bool:
     """echo with max_tokens 0: the prompt comes back (with its logprobs), nothing is generated."""
     return bool(getattr(req, "echo", False)) and req.max_tokens == 0
@@ -575,7 +644,6 @@ def _number(name: str, value) -> float:
 
 
 def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
     return dataclasses.replace(p, seed=seed)
 
 

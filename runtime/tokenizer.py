@@ -44,17 +44,26 @@ class Tokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Chat messages -> prompt ids with the artifact's chat template (its special tokens written by it)."""
         if self.chat_error is not None:
             raise RequestError(f"chat is off for this artifact: {self.chat_error}")
         if self.chat_template is None:
             raise RequestError("this artifact has no chat template (its checkpoint has neither chat_template.jinja "
                                "nor a 'chat_template' in tokenizer_config.json); use /v1/completions")
-        return self.encode(self.chat_template.render(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.chat_template.render(messages, add_generation_prompt, tools),
+                           add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def decode_raw(self, ids: list[int]) -> str:
+        """Text with the special tokens written out (tool-call markers)."""
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (what llguidance builds its token tries from)."""

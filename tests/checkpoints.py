@@ -51,23 +51,32 @@ def make_checkpoint(path: Path, seed: int = 0, tokenizer: bool = True, dtype: to
     return path
 
 
-# A DeepSeek-style chat template (system prompts first, then the turns; the assistant's turn ends in EOS),
+# A DeepSeek-style chat template (system prompts first, then the turns; the assistant's turn ends in EOS; tools
+# named after the system prompt (their schemas would not fit the tiny test context), an assistant's tool calls and the tools' results in DeepSeek-V3.1's markers),
 # with the whitespace that trim_blocks / lstrip_blocks must remove, and an error for roles it does not know.
 CHAT_TEMPLATE = """{% set ns = namespace(system='') %}
 {%- for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] %}{% endif %}{% endfor %}
 {{ bos_token }}{{ ns.system }}
+{%- if tools %}{{ '<Tools>' }}{% for t in tools %}{{ t['function']['name'] + ';' }}{% endfor %}{% endif %}
 {%- for m in messages %}
   {%- if m['role'] == 'user' %}{{ '<User>' + m['content'] }}
+  {%- elif m['role'] == 'assistant' and m.get('tool_calls') %}{{ '<Assistant><｜tool▁calls▁begin｜>' }}
+    {%- for c in m['tool_calls'] %}{{ '<｜tool▁call▁begin｜>' + c['function']['name'] + '<｜tool▁sep｜>' + c['function']['arguments'] + '<｜tool▁call▁end｜>' }}{% endfor %}
+    {{- '<｜tool▁calls▁end｜>' + eos_token }}
   {%- elif m['role'] == 'assistant' %}{{ '<Assistant>' + m['content'] + eos_token }}
+  {%- elif m['role'] == 'tool' %}{{ '<Tool>' + m['content'] }}
   {%- elif m['role'] != 'system' %}{{ raise_exception('unknown role ' + m['role']) }}
   {%- endif %}
 {% endfor %}
 {% if add_generation_prompt %}{{ '<Assistant>' }}{% endif %}"""
 
+TOOL_MARKERS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                "<｜tool▁sep｜>"]
+
 
 def write_byte_tokenizer(path: Path, vocab_size: int, chat_template: str | None = CHAT_TEMPLATE) -> None:
-    """A byte-level BPE tokenizer (bytes only, no merges) so text prompts work on random models, with a chat
-    template in its tokenizer_config.json."""
+    """A byte-level BPE tokenizer (bytes only, no merges) so text prompts work on random models, with DeepSeek's
+    tool-call markers as special tokens and a chat template in its tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
     alphabet = ByteLevel.alphabet()
@@ -78,7 +87,7 @@ def write_byte_tokenizer(path: Path, vocab_size: int, chat_template: str | None 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|bos|>", "<|eos|>"])
+    tok.add_special_tokens(["<|bos|>", "<|eos|>", *TOOL_MARKERS])     # ids 0, 1, then 258-262
     tok.save(str(path / "tokenizer.json"))
     config = {"add_bos_token": False, "bos_token": "<|bos|>", "eos_token": "<|eos|>"}
     if chat_template is not None:

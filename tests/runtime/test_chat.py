@@ -16,7 +16,14 @@ CONVERSATIONS = [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, wörld ✓"},
      {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "again\nand again"}],
     [{"role": "system", "content": "A"}, {"role": "system", "content": "B"}, {"role": "user", "content": ""}],
+    [{"role": "user", "content": "Weather?"},
+     {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+         "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+     {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}],
 ]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
 
 
 def artifact_tokenizer(tmp_path, config: dict | None = None, jinja: str | None = None):
@@ -43,9 +50,11 @@ def test_chat_prompt_ids_equal_transformers_apply_chat_template(tmp_path, genera
     ours, ck = artifact_tokenizer(tmp_path)
     hf = PreTrainedTokenizerFast.from_pretrained(ck)
     for messages in CONVERSATIONS:
-        want = hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
-        want = list(want["input_ids"] if hasattr(want, "keys") else want)
-        assert ours.encode_chat(messages, generation_prompt) == want
+        for tools in (None, TOOLS):      # tools reach the template as transformers passes them
+            want = hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                          tools=tools)
+            want = list(want["input_ids"] if hasattr(want, "keys") else want)
+            assert ours.encode_chat(messages, generation_prompt, tools) == want
     # the special tokens the template writes are single tokens, not their text
     ids = ours.encode_chat(CONVERSATIONS[1])
     assert ids[0] == 0 and ids.count(1) == 1
@@ -78,8 +87,8 @@ def test_no_template_and_broken_templates_are_named(tmp_path):
     assert ours.decode(ours.encode("ab", add_special_tokens=False)) == "ab"
     # the template's own refusal, and a message it cannot handle, are request errors
     ours, _ = artifact_tokenizer(tmp_path / "c")
-    with pytest.raises(RequestError, match="unknown role tool"):
-        ours.encode_chat([{"role": "tool", "content": "x"}])
+    with pytest.raises(RequestError, match="unknown role robot"):
+        ours.encode_chat([{"role": "robot", "content": "x"}])
     with pytest.raises(RequestError, match="could not render"):
         ours.encode_chat([{"role": "user", "content": None}])
     ours, _ = artifact_tokenizer(tmp_path / "c2", config={"chat_template": "{{ 1 / (messages|length - 1) }}"})
@@ -99,3 +108,25 @@ def test_no_template_and_broken_templates_are_named(tmp_path):
         (tmp_path / "e" / "tokenizer_config.json").write_text(json.dumps({"chat_template": 3}))
         load_chat_template(tmp_path / "e", {"tokenizer_config.json"})
     assert CHAT_TEMPLATE.startswith("{% set ns")
+
+
+def test_deepseek_tool_call_layouts_parse(tmp_path):
+    """Both of DeepSeek's layouts (V3: type, name and a fenced JSON block; V3.1: name and the arguments), several
+    calls, the text before the markers as content; no markers: all content."""
+    from deepinfer.runtime.tools import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, ToolParser, parse_calls
+    v3 = (CALLS_BEGIN + CALL_BEGIN + "function" + SEP + 'get_weather\n```json\n{"city": "Oslo"}\n```' + CALL_END +
+          CALL_BEGIN + "function" + SEP + "now\n```json\n{}\n```" + CALL_END + CALLS_END)
+    v31 = (CALLS_BEGIN + CALL_BEGIN + "get_weather" + SEP + '{"city": "Oslo"}' + CALL_END +
+           CALL_BEGIN + "now" + SEP + "{}" + CALL_END + CALLS_END)
+    for text in (v3, v31):
+        calls = parse_calls(text)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("get_weather", '{"city": "Oslo"}'), ("now", "{}")]
+        assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    ours, _ = artifact_tokenizer(tmp_path)
+    parser = ToolParser(ours)
+    assert parser.available
+    ids = ours.encode("Let me check." + v31, add_special_tokens=False)
+    content, calls = parser.split(ids)
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    assert parser.split(ours.encode("plain", add_special_tokens=False)) == ("plain", [])

@@ -215,20 +215,25 @@ def test_chat_completions_are_completions_of_the_chat_templates_prompt(server):
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "unknown role tool"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role robot"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
      "only text parts"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "needs 'logprobs'"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4}, "disagree"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "needs 'tools'"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "no tool named 'g'"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required", "response_format": {"type": "json_object"}}, "structured output already"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "json_schema"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "frob"}}}}, "response_format"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"five": 1}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "other"}, "not served"),
@@ -301,7 +306,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, checkpoint
         chunks = [json.loads(e[6:]) for e in "".join(resp.iter_text()).split("\n\n") if e.startswith("data: {")]
     first = chunks[0]["choices"][0]
     assert first["text"] == c["text"] and first["logprobs"]["token_logprobs"] == c["logprobs"]["token_logprobs"]
-    assert len(chunks) == 4 and chunks[1]["choices"][0]["logprobs"]["text_offset"] == [len(c["text"])]
+    head = first["logprobs"]
+    assert len(chunks) == 4 and chunks[1]["choices"][0]["logprobs"]["text_offset"] == [
+        head["text_offset"][-1] + len(head["tokens"][-1])]      # offsets go on from the prompt's tokens
     assert post(server, {"prompt": "x", "max_tokens": 0}).status_code == 400       # 0 only with echo
 
 
@@ -339,6 +346,56 @@ def test_structured_outputs_follow_their_schema_over_both_endpoints(server):
         model=model, prompt="Hello", max_tokens=40, temperature=0, stream=True,
         extra_body={"response_format": {"type": "json_object"}}) if ch.choices)
     assert streamed.startswith("{")
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}}, "required": ["city"],
+                   "additionalProperties": False}}}]
+
+
+def test_tool_calls_parsed_from_deepseek_markers_and_forced_by_tool_choice(server):
+    """tool_choice auto: DeepSeek-V3's markers in the output (here forced by a grammar, as a trained model would
+    write them) come back as tool_calls with the text before them as content, non-streamed and streamed;
+    'required' and a named function hold the output to the tools' schemas; 'none' leaves text as text."""
+    from openai import OpenAI
+    client = OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Oslo?"}]
+    marked = ('start: "Sure." <[258]> call call <[259]>\n'
+              'call: <[260]> "get_weather" <[262]> args <[261]>\n'
+              'args: %json{"type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}}, '
+              '"required": ["city"], "additionalProperties": false, "x-guidance": {"whitespace_flexible": false}}')
+    force = {"structured_outputs": {"grammar": marked}}
+    r = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=75, temperature=0,
+                                       extra_body=force)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Sure." and len(c.message.tool_calls) == 2
+    for call in c.message.tool_calls:
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        assert json.loads(call.function.arguments)["city"] in ("Oslo", "Paris")
+    chunks = list(client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=75,
+                                                 temperature=0, stream=True, extra_body=force))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Sure."
+    deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
+    assert [d.index for d in deltas] == [0, 1] and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [d.function.arguments for d in deltas] == [t.function.arguments for t in c.message.tool_calls]
+    # forced: a list of calls ('required'), the named function's arguments
+    close = post(server, {"prompt": "]", "add_special_tokens": False}, path="/tokenize").json()["tokens"][0]
+    r = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, tool_choice="required",
+                                       max_tokens=80, temperature=0,   # one call: "]" as soon as the list may end
+                                       logit_bias={str(close): 30})
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls and all(
+        t.function.name == "get_weather" and json.loads(t.function.arguments)["city"] in ("Oslo", "Paris")
+        for t in calls)
+    r = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=60, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments)["city"] in ("Oslo", "Paris") and r.choices[0].message.content is None
+    r = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, tool_choice="none",
+                                       max_tokens=5, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
 
 
 def test_oversized_bodies_are_413s_and_the_server_keeps_serving(server):

@@ -1,0 +1,103 @@
+"""Tool calling for /v1/chat/completions: DeepSeek-V3's tool-call format in the model's output, and the schemas that
+force a call (tool_choice "required" or a named function), as vLLM serves them.
+
+DeepSeek-V3 writes its calls after a special token, in one of two layouts (V3 and V3-0324; V3.1 and later):
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+
+Text before the first marker is the message's content. With tool_choice "required" or a named function the output
+is constrained instead (structured outputs) to JSON that is the call(s) themselves, whatever the model's layout.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from ..common.errors import RequestError
+
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
+
+_V3 = re.compile(re.escape(CALL_BEGIN) + r"(?P<type>[^<]*?)" + re.escape(SEP) + r"(?P<name>[^\n<]*)\n```(?:json)?\n"
+                 r"(?P<args>.*?)\n```\s*" + re.escape(CALL_END), re.S)
+_V31 = re.compile(re.escape(CALL_BEGIN) + r"(?P<name>[^<]*?)" + re.escape(SEP) + r"(?P<args>.*?)" +
+                  re.escape(CALL_END), re.S)
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def parse_calls(section: str) -> list[dict]:
+    """The calls in the text after <｜tool▁calls▁begin｜> (special tokens kept), in either layout."""
+    calls = [(m.group("name"), m.group("args")) for m in _V3.finditer(section)]
+    if not calls:
+        calls = [(m.group("name"), m.group("args")) for m in _V31.finditer(section)]
+    return [tool_call(name.strip(), args.strip()) for name, args in calls]
+
+
+def check_tools(tools: list) -> list[dict]:
+    """OpenAI's `tools`: [{"type": "function", "function": {"name": ..., "parameters": {...}}}, ...]."""
+    if not isinstance(tools, list):
+        raise RequestError("field 'tools' must be a list of {'type': 'function', 'function': {...}}")
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(f, dict) and
+                isinstance(f.get("name"), str) and f["name"]):
+            raise RequestError(f"field 'tools[{i}]' must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+        if not isinstance(f.get("parameters", {}), dict):
+            raise RequestError(f"field 'tools[{i}].function.parameters' must be a JSON schema object")
+    return tools
+
+
+def forced_schema(tools: list[dict], choice) -> tuple[dict, str | None]:
+    """tool_choice "required" or {"type": "function", "function": {"name": N}}: the JSON schema the output is held
+    to, and the named function (None for "required", whose output is a list of {"name", "parameters"})."""
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if choice == "required":
+        items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, schema in params.items()]
+        return {"type": "array", "minItems": 1, "items": {"anyOf": items}}, None
+    name = choice["function"]["name"]
+    if name not in params:
+        raise RequestError(f"field 'tool_choice': no tool named {name!r} in 'tools'")
+    return params[name], name
+
+
+def forced_calls(text: str, named: str | None) -> list[dict]:
+    """The tool calls of a forced output (the JSON forced_schema held it to)."""
+    if named is not None:
+        return [tool_call(named, text)]
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return []        # cut short (max_tokens): no complete call
+    return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+
+class ToolParser:
+    """Finds DeepSeek-V3's tool calls in a sequence's output token ids (the markers are special tokens, which the
+    output text leaves out)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        ids = [tokenizer.token_id(m) for m in MARKERS]
+        self.calls_begin = ids[0]
+        self.available = all(i is not None for i in ids)
+
+    def split(self, output_ids: list[int]) -> tuple[str, list[dict]]:
+        """(content, calls): the text before the first <｜tool▁calls▁begin｜>, and the calls after it."""
+        if self.calls_begin not in output_ids:
+            return self.tokenizer.decode(output_ids), []
+        k = output_ids.index(self.calls_begin)
+        section = self.tokenizer.decode_raw(output_ids[k:])
+        return self.tokenizer.decode(output_ids[:k]), parse_calls(section)
