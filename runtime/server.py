@@ -392,8 +392,9 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                 message, finish = {"role": "assistant", "content": text}, last.finish_reason if last else "abort"
                 if tools is not None and last is not None:
                     content, calls = _calls(tools, s.seq, text)
-                    if calls:
-                        message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+                    if calls:       # a call cut short by max_tokens keeps finish_reason "length", as OpenAI's
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                        finish = "tool_calls" if finish == "stop" else finish
                 choices.append({"index": idx, "message": message,
                                 "logprobs": _chat_logprobs(events) if req.logprobs is not None else None,
                                 "finish_reason": finish})
@@ -505,7 +506,8 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                 calls = None
                 if ev.finished and tools is not None:
                     _, calls = _calls(tools, streams[i].seq, ev.text)
-                finish = ("tool_calls" if calls else ev.finish_reason) if ev.finished else None
+                finish = ("tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason) \
+                    if ev.finished else None
                 if not held[i] or lp is not None or finish or not named[i]:
                     yield chunk(i, delta, finish, lp, calls)
                 if ev.finished:

@@ -393,6 +393,9 @@ def test_tool_calls_parsed_from_deepseek_markers_and_forced_by_tool_choice(serve
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = r.choices[0].message.tool_calls
     assert json.loads(call.function.arguments)["city"] in ("Oslo", "Paris") and r.choices[0].message.content is None
+    cut = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=3, temperature=0,
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls[0].function.arguments
     r = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, tool_choice="none",
                                        max_tokens=5, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
