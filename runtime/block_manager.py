@@ -137,7 +137,7 @@ class BlockManager:
     def register(self, seq: Sequence) -> None:
         """After a step: register the sequence's blocks that became full of computed KV. A block whose prefix
         another block already holds stays private (and free once the sequence ends)."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or not seq.block_table:
             return
         full = seq.num_computed // self.block_size
         if full <= seq.num_registered:

@@ -146,6 +146,22 @@ class Scheduler:
         if seq.status is Status.WAITING and not seq.block_table and not seq.wants_prompt_logprobs:
             self.blocks.take(seq, self.blocks.match(seq))
 
+    def _completes(self, e: StepEntry) -> set[bytes]:
+        """Prefix-cache keys of the full blocks this entry's step fills (registered after the step)."""
+        if not self.cfg.prefix_caching:
+            return set()
+        bs = self.cfg.block_size
+        return {e.seq.block_key(bs, i) for i in range(e.seq.num_registered, (e.start + e.num_tokens) // bs)}
+
+    def _shares_work(self, seq: Sequence, computing: set[bytes]) -> bool:
+        """A waiting sequence whose next uncached block is one this step fills for another (the n choices of a
+        prompt, a burst sharing a system prompt) waits one step and then takes it from the cache instead of
+        computing it again (SGLang's in-batch prefix sharing)."""
+        if not computing or seq.block_table or seq.wants_prompt_logprobs:
+            return False
+        m = len(self.blocks.match(seq))
+        return m < (seq.num_tokens - 1) // self.cfg.block_size and seq.block_key(self.cfg.block_size, m) in computing
+
     def _unclaim(self, seq: Sequence) -> None:
         if seq.status is Status.WAITING and seq.block_table:
             self.blocks.free(seq)
@@ -168,11 +184,14 @@ class Scheduler:
         self._admit(seq)
         self.blocks.allocate(seq, n)
         entries = [StepEntry.of(seq, n)]
+        computing = self._completes(entries[0])
         used, span = n, self._span(seq.num_computed + n)
         room = self._context_bucket(max(span, budget))
         for other in ([] if preempted else self._prefill_queue(seq)):
             if used >= budget or (other.status is Status.WAITING and len(self.running) >= self.cfg.max_num_seqs):
                 break
+            if self._shares_work(other, computing):
+                continue
             self._claim(other)
             k = min(other.num_uncomputed, budget - used)
             more = self._span(other.num_computed + k)
@@ -182,6 +201,7 @@ class Scheduler:
             self._admit(other)
             self.blocks.allocate(other, k)
             entries.append(StepEntry.of(other, k))
+            computing |= self._completes(entries[-1])
             used += k
             span += more
         bucket = smallest_at_least(self.cfg.prefill_buckets, used)
@@ -203,6 +223,7 @@ class Scheduler:
         limit = self.cfg.prompt_as_decode_limit
         entries: list[StepEntry] = []
         chosen: set[Sequence] = set()
+        computing: set[bytes] = set()
         used = 0
         for seq in list(self.running):
             if seq not in self.running or seq.num_uncomputed > limit or used >= budget:
@@ -214,12 +235,13 @@ class Scheduler:
                 continue
             self.blocks.allocate(seq, n)
             entries.append(StepEntry.of(seq, n))
+            computing |= self._completes(entries[-1])
             chosen.add(seq)
             used += n
         for seq in list(self.waiting):
             if used >= budget or len(self.running) >= self.cfg.max_num_seqs:
                 break
-            if self._pending(seq) > limit:
+            if self._pending(seq) > limit or self._shares_work(seq, computing):
                 continue
             self._claim(seq)
             n = min(seq.num_uncomputed, budget - used)
@@ -229,6 +251,7 @@ class Scheduler:
             self._admit(seq)
             self.blocks.allocate(seq, n)
             entries.append(StepEntry.of(seq, n))
+            computing |= self._completes(entries[-1])
             chosen.add(seq)
             used += n
         if not entries:

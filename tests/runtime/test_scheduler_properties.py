@@ -270,3 +270,26 @@ def test_prefix_caching_off_never_shares():
         steps = _drain(sched)
         assert steps[0].entries[0].start == 0
     assert sched.blocks.num_cached == 0 and sched.blocks.hits == 0
+
+
+def test_siblings_wait_a_step_for_the_blocks_another_computes():
+    """Four copies of a 20-token prompt (n choices) arriving together: without the cache two share the first chunk
+    and all compute the whole prompt; with it the first computes the shared block while the others, instead of
+    computing it again in that chunk, wait one step and start after it."""
+    for caching in (True, False):
+        sched = Scheduler(_cfg(decode_buckets=(1, 4, 16), prefill_buckets=(64,), prefix_caching=caching))
+        seqs = [Sequence(list(range(1, 21)), SamplingParams(max_tokens=2)) for _ in range(4)]
+        for s in seqs:
+            sched.add(s)
+        steps = _drain(sched)
+        firsts: dict = {}
+        for st in steps:
+            for e in st.entries:
+                firsts.setdefault(e.seq, e.start)
+        prompt_tokens = sum(min(e.num_tokens, 20 - e.start) for st in steps for e in st.entries if e.start < 20)
+        if caching:
+            assert [firsts[s] for s in seqs] == [0, 16, 16, 16] and prompt_tokens == 20 + 3 * 4
+        else:
+            assert [firsts[s] for s in seqs] == [0, 0, 0, 0] and prompt_tokens == 4 * 20
+            assert len(steps[0].entries) == 2          # packed: each computes its own
+        assert all(s.status is Status.FINISHED for s in seqs)
