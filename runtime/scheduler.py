@@ -191,7 +191,7 @@ class Scheduler:
             if used >= budget or (other.status is Status.WAITING and len(self.running) >= self.cfg.max_num_seqs):
                 break
             if self._shares_work(other, computing):
-                continue
+                break           # first come, first served: nobody behind it starts before it does
             self._claim(other)
             k = min(other.num_uncomputed, budget - used)
             more = self._span(other.num_computed + k)
@@ -241,8 +241,10 @@ class Scheduler:
         for seq in list(self.waiting):
             if used >= budget or len(self.running) >= self.cfg.max_num_seqs:
                 break
-            if self._pending(seq) > limit or self._shares_work(seq, computing):
+            if self._pending(seq) > limit:
                 continue
+            if self._shares_work(seq, computing):
+                break           # first come, first served: nobody behind it starts before it does
             self._claim(seq)
             n = min(seq.num_uncomputed, budget - used)
             if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)):

@@ -103,12 +103,28 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await _json(request)
+        if "messages" in body:     # vLLM's chat form: the prompt ids a chat request with these messages would get
+            extra = set(body) - {"messages", "model", "add_generation_prompt", "tools"}
+            if extra:
+                raise RequestError(f"/tokenize with 'messages' takes 'add_generation_prompt' and 'tools' too, not "
+                                   f"{sorted(extra)}")
+            try:
+                creq = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+            except ValidationError as e:
+                first = e.errors()[0]
+                raise RequestError(f"field '{_field(first['loc'])}': {first['msg']}") from None
+            if tok is None:
+                raise no_tokenizer("/tokenize")
+            messages = [_message(i, m) for i, m in enumerate(creq.messages)]
+            tools = check_tools(creq.tools) if creq.tools else None
+            ids = await asyncio.to_thread(tok.encode_chat, messages, creq.add_generation_prompt, tools)
+            return {"tokens": ids, "count": len(ids), "max_model_len": limit}
         prompt = body.get("prompt")
         special = body.get("add_special_tokens", True)
         if not isinstance(prompt, str) or not isinstance(special, bool) or \
                 set(body) - {"prompt", "model", "add_special_tokens"}:
             raise RequestError("/tokenize takes {'prompt': <string>} (optionally 'model', 'add_special_tokens': "
-                               "<bool>)")
+                               "<bool>) or {'messages': [...]} (optionally 'add_generation_prompt', 'tools')")
         if tok is None:
             raise no_tokenizer("/tokenize")
         ids = tok.encode(prompt, add_special_tokens=special)
@@ -193,17 +209,22 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             return tools, None
         if not tools:
             raise RequestError(f"field 'tool_choice'={json.dumps(choice)} needs 'tools'")
+        if not tok.chat_template_renders_tools():
+            raise RequestError("this model's chat template does not show 'tools' to the model (it never renders "
+                               "them); serve it with a template that does, e.g. vLLM's tool_chat_template_deepseekv3"
+                               ".jinja as the checkpoint's chat_template.jinja")
+        single = creq.parallel_tool_calls is False
         if choice == "auto":
             if not parser.available:
                 raise RequestError("tool calls with tool_choice 'auto' need DeepSeek's tool-call tokens "
                                    "(<｜tool▁calls▁begin｜>, ...) in the tokenizer, which this model's lacks; use "
                                    "tool_choice 'required' or a named function")
-            return tools, ToolMode(None, None)
-        if any(getattr(creq, f) is not None for f in STRUCTURED_FIELDS):
+            return tools, ToolMode(None, None, single)
+        if any(getattr(creq, f) not in (None, {"type": "text"}) for f in STRUCTURED_FIELDS):
             raise RequestError("a forced tool call (tool_choice 'required' or a named function) is structured "
                                "output already: drop the other structured-output field")
-        schema, name = forced_schema(tools, choice)
-        return tools, ToolMode(schema, name)
+        schema, name = forced_schema(tools, choice, single)
+        return tools, ToolMode(schema, name, single)
 
     async def _generate(request: Request, req: CompletionRequest, prompts: list[list[int]], texts: list[str | None],
                         chat: bool, tools: "ToolMode | None" = None):
@@ -334,6 +355,14 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             if bad is not None:
                 raise RequestError(f"field 'messages[{i}].content': only text parts are served (got a '{bad}' part)")
             msg["content"] = "\n".join(p.text for p in m.content)
+        if isinstance(msg.get("tool_calls"), list):
+            # an assistant turn that called tools: clients send content null, and DeepSeek's templates test
+            # `content is none`; arguments are a JSON string (OpenAI's shape) even where a client sent an object
+            msg.setdefault("content", None)
+            for c in msg["tool_calls"]:
+                f = c.get("function") if isinstance(c, dict) else None
+                if isinstance(f, dict) and isinstance(f.get("arguments"), (dict, list)):
+                    f["arguments"] = json.dumps(f["arguments"], ensure_ascii=False)
         return msg
 
     def _chat_logprobs(events: list[TokenEvent]) -> dict:
@@ -368,10 +397,12 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
 
     def _calls(mode: "ToolMode", seq, text: str) -> tuple[str | None, list[dict]]:
         """A finished choice's (content, tool calls) in a tool mode."""
-        if mode.schema is not None:
+        if mode.schema is not None:        # the output is the call's JSON: never content
             return None, forced_calls(text, mode.name)
-        content, calls = parser.split(seq.output_ids)
-        return (content or None, calls) if calls else (text, [])
+        content, calls, marked = parser.split(seq.output_ids)
+        if calls:
+            return content or None, calls[:1] if mode.single else calls
+        return (content if marked else text), []       # markers without a complete call: the text before them
 
     async def _complete(request, rid, req, streams, prompts, texts, chat, tools=None):
         watcher = asyncio.create_task(_watch_disconnect(request, streams))
@@ -496,11 +527,15 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                     yield chunk(i, "", "length", None)
                     remaining -= 1
                     continue
-                if tools is not None and tools.schema is None and ev.token_id == parser.calls_begin:
-                    held[i] = True          # DeepSeek's calls begin: the rest is parsed at the end, not content
-                end = len(ev.text) if ev.finished else max(sent[i], len(ev.text) - holdback)
-                delta = "" if held[i] else ev.text[sent[i]:end]
-                sent[i] = sent[i] if held[i] else end
+                if tools is not None and tools.schema is None and ev.token_id == parser.calls_begin and \
+                        not held[i]:
+                    # DeepSeek's calls begin: the content so far goes out whole (what the stop-string holdback
+                    # kept too), the rest is parsed at the end
+                    delta, sent[i], held[i] = ev.text[sent[i]:], len(ev.text), True
+                else:
+                    end = len(ev.text) if ev.finished else max(sent[i], len(ev.text) - holdback)
+                    delta = "" if held[i] else ev.text[sent[i]:end]
+                    sent[i] = sent[i] if held[i] else end
                 lp = None if req.logprobs is None else _chat_logprobs([ev]) if chat else _logprobs_block([ev], emitted[i])
                 emitted[i] += len(delta)
                 calls = None
@@ -508,7 +543,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                     _, calls = _calls(tools, streams[i].seq, ev.text)
                 finish = ("tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason) \
                     if ev.finished else None
-                if not held[i] or lp is not None or finish or not named[i]:
+                if not held[i] or delta or lp is not None or finish or not named[i]:
                     yield chunk(i, delta, finish, lp, calls)
                 if ev.finished:
                     remaining -= 1
@@ -617,6 +652,7 @@ class ToolMode:
     of `schema` (tool_choice "required": a list of calls; a named function: its arguments)."""
     schema: dict | None
     name: str | None
+    single: bool = False       # parallel_tool_calls false: at most one call
 
 
 def _scoring(req) -> bool:

@@ -29,6 +29,7 @@ class Tokenizer:
         self.bos_id = bos_token_id if add_bos else None
         self.chat_template = None        # runtime.chat.ChatTemplate, set by load_tokenizer where the artifact has one
         self.chat_error: str | None = None    # why the artifact's chat template cannot be used
+        self._renders_tools: bool | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -54,6 +55,22 @@ class Tokenizer:
                                "nor a 'chat_template' in tokenizer_config.json); use /v1/completions")
         return self.encode(self.chat_template.render(messages, add_generation_prompt, tools),
                            add_special_tokens=False)
+
+    def chat_template_renders_tools(self) -> bool:
+        """Whether the chat template shows `tools` to the model at all (DeepSeek-V3's own template does not): a
+        probe renders one user message with and without a tool whose name appears nowhere else."""
+        if self._renders_tools is None:
+            if self.chat_template is None or self.chat_error is not None:
+                return True                 # encode_chat raises the clearer error
+            probe = [{"role": "user", "content": "hi"}]
+            tool = [{"type": "function", "function": {"name": "deepinfer_probe_tool_7f3a", "parameters": {}}}]
+            try:
+                plain = self.chat_template.render(probe, True, None)
+                with_tool = self.chat_template.render(probe, True, tool)
+                self._renders_tools = with_tool != plain
+            except RequestError:            # a template that refuses the probe: let the real request tell
+                self._renders_tools = True
+        return self._renders_tools
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

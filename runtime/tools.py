@@ -22,10 +22,8 @@ CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
-_V3 = re.compile(re.escape(CALL_BEGIN) + r"(?P<type>[^<]*?)" + re.escape(SEP) + r"(?P<name>[^\n<]*)\n```(?:json)?\n"
-                 r"(?P<args>.*?)\n```\s*" + re.escape(CALL_END), re.S)
-_V31 = re.compile(re.escape(CALL_BEGIN) + r"(?P<name>[^<]*?)" + re.escape(SEP) + r"(?P<args>.*?)" +
-                  re.escape(CALL_END), re.S)
+_CALL = re.compile(re.escape(CALL_BEGIN) + r"(?P<body>.*?)" + re.escape(CALL_END), re.S)
+_FENCED = re.compile(r"(?P<name>[^\n`]*?)\s*```[a-zA-Z]*\s*\n?(?P<args>.*?)\s*```\s*$", re.S)
 
 
 def call_id() -> str:
@@ -37,11 +35,19 @@ def tool_call(name: str, arguments: str) -> dict:
 
 
 def parse_calls(section: str) -> list[dict]:
-    """The calls in the text after <｜tool▁calls▁begin｜> (special tokens kept), in either layout."""
-    calls = [(m.group("name"), m.group("args")) for m in _V3.finditer(section)]
-    if not calls:
-        calls = [(m.group("name"), m.group("args")) for m in _V31.finditer(section)]
-    return [tool_call(name.strip(), args.strip()) for name, args in calls]
+    """The calls in the text after <｜tool▁calls▁begin｜> (special tokens kept), each in either layout: V3's
+    `function<sep>NAME` and a fenced block, or V3.1's `NAME<sep>ARGS`. A call cut short (no end marker) is left out."""
+    calls = []
+    for m in _CALL.finditer(section):
+        head, sep, tail = m.group("body").partition(SEP)
+        if not sep:
+            continue
+        fenced = _FENCED.match(tail.strip())
+        if head.strip() == "function" and fenced:           # V3
+            calls.append(tool_call(fenced.group("name").strip(), fenced.group("args").strip()))
+        else:                                               # V3.1
+            calls.append(tool_call(head.strip(), tail.strip()))
+    return calls
 
 
 def check_tools(tools: list) -> list[dict]:
@@ -58,7 +64,7 @@ def check_tools(tools: list) -> list[dict]:
     return tools
 
 
-def forced_schema(tools: list[dict], choice) -> tuple[dict, str | None]:
+def forced_schema(tools: list[dict], choice, single: bool = False) -> tuple[dict, str | None]:
     """tool_choice "required" or {"type": "function", "function": {"name": N}}: the JSON schema the output is held
     to, and the named function (None for "required", whose output is a list of {"name", "parameters"})."""
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
@@ -66,7 +72,10 @@ def forced_schema(tools: list[dict], choice) -> tuple[dict, str | None]:
         items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, schema in params.items()]
-        return {"type": "array", "minItems": 1, "items": {"anyOf": items}}, None
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if single:                  # parallel_tool_calls false
+            schema["maxItems"] = 1
+        return schema, None
     name = choice["function"]["name"]
     if name not in params:
         raise RequestError(f"field 'tool_choice': no tool named {name!r} in 'tools'")
@@ -94,10 +103,11 @@ class ToolParser:
         self.calls_begin = ids[0]
         self.available = all(i is not None for i in ids)
 
-    def split(self, output_ids: list[int]) -> tuple[str, list[dict]]:
-        """(content, calls): the text before the first <｜tool▁calls▁begin｜>, and the calls after it."""
+    def split(self, output_ids: list[int]) -> tuple[str, list[dict], bool]:
+        """(content, calls, marked): the text before the first <｜tool▁calls▁begin｜>, the calls after it, and
+        whether the marker was there at all."""
         if self.calls_begin not in output_ids:
-            return self.tokenizer.decode(output_ids), []
+            return self.tokenizer.decode(output_ids), [], False
         k = output_ids.index(self.calls_begin)
         section = self.tokenizer.decode_raw(output_ids[k:])
-        return self.tokenizer.decode(output_ids[:k]), parse_calls(section)
+        return self.tokenizer.decode(output_ids[:k]), parse_calls(section), True

@@ -110,6 +110,15 @@ def test_no_template_and_broken_templates_are_named(tmp_path):
     assert CHAT_TEMPLATE.startswith("{% set ns")
 
 
+def test_templates_that_never_show_tools_are_told_apart(tmp_path):
+    """Tool calling needs a template that renders `tools` (DeepSeek-V3's own does not; vLLM ships one that does)."""
+    ours, _ = artifact_tokenizer(tmp_path / "a")
+    assert ours.chat_template_renders_tools()
+    blind, _ = artifact_tokenizer(tmp_path / "b", config={
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    assert not blind.chat_template_renders_tools()
+
+
 def test_deepseek_tool_call_layouts_parse(tmp_path):
     """Both of DeepSeek's layouts (V3: type, name and a fenced JSON block; V3.1: name and the arguments), several
     calls, the text before the markers as content; no markers: all content."""
@@ -118,15 +127,25 @@ def test_deepseek_tool_call_layouts_parse(tmp_path):
           CALL_BEGIN + "function" + SEP + "now\n```json\n{}\n```" + CALL_END + CALLS_END)
     v31 = (CALLS_BEGIN + CALL_BEGIN + "get_weather" + SEP + '{"city": "Oslo"}' + CALL_END +
            CALL_BEGIN + "now" + SEP + "{}" + CALL_END + CALLS_END)
-    for text in (v3, v31):
+    # V3 as models write it too: no newline before the closing fence, CRLF, no language tag; and the two layouts
+    # mixed in one section
+    v3_loose = (CALLS_BEGIN + CALL_BEGIN + "function" + SEP + 'get_weather\r\n```json\r\n{"city": "Oslo"}```' +
+                CALL_END + CALL_BEGIN + "function" + SEP + "now\n```\n{}\n```\n" + CALL_END + CALLS_END)
+    mixed = (CALLS_BEGIN + CALL_BEGIN + "function" + SEP + 'get_weather\n```json\n{"city": "Oslo"}\n```' + CALL_END +
+             CALL_BEGIN + "now" + SEP + "{}" + CALL_END + CALLS_END)
+    for text in (v3, v31, v3_loose, mixed):
         calls = parse_calls(text)
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-            ("get_weather", '{"city": "Oslo"}'), ("now", "{}")]
+            ("get_weather", '{"city": "Oslo"}'), ("now", "{}")], text
         assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    # a call cut short (no end marker) is left out; the complete one before it stays
+    assert [c["function"]["name"] for c in parse_calls(v31[:v31.rindex(CALL_END)])] == ["get_weather"]
     ours, _ = artifact_tokenizer(tmp_path)
     parser = ToolParser(ours)
     assert parser.available
     ids = ours.encode("Let me check." + v31, add_special_tokens=False)
-    content, calls = parser.split(ids)
-    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather", "now"]
-    assert parser.split(ours.encode("plain", add_special_tokens=False)) == ("plain", [])
+    content, calls, marked = parser.split(ids)
+    assert content == "Let me check." and marked and [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    assert parser.split(ours.encode("plain", add_special_tokens=False)) == ("plain", [], False)
+    assert parser.split(ours.encode("So" + CALLS_BEGIN + CALL_BEGIN + "now", add_special_tokens=False)) == (
+        "So", [], True)

@@ -293,3 +293,25 @@ def test_siblings_wait_a_step_for_the_blocks_another_computes():
             assert [firsts[s] for s in seqs] == [0, 0, 0, 0] and prompt_tokens == 4 * 20
             assert len(steps[0].entries) == 2          # packed: each computes its own
         assert all(s.status is Status.FINISHED for s in seqs)
+
+
+def test_a_sibling_waiting_for_shared_blocks_keeps_its_place():
+    """First come, first served holds with in-batch sharing: a prompt that arrived after a sibling waiting for the
+    blocks another computes does not start in the step the sibling waits (it could take the slot the sibling needs),
+    in decode steps (here every prompt runs as decode) and in packed prefill chunks alike."""
+    for kw in (dict(decode_buckets=(1, 4, 64), prefill_buckets=()), dict(decode_buckets=(1, 4, 16),
+                                                                        prefill_buckets=(64,))):
+        sched = Scheduler(_cfg(prefix_caching=True, **kw))
+        a, b = (Sequence(list(range(1, 21)), SamplingParams(max_tokens=2)) for _ in range(2))
+        late = Sequence(list(range(100, 120)), SamplingParams(max_tokens=2))
+        for s in (a, b, late):
+            sched.add(s)
+        steps = _drain(sched)
+        first_step = {}
+        for i, st in enumerate(steps):
+            for e in st.entries:
+                first_step.setdefault(e.seq, i)
+        assert first_step[a] == 0 and first_step[b] >= 1 and first_step[late] >= 1, (kw, first_step)
+        if not kw["prefill_buckets"]:
+            assert steps[1].entries[-1].seq is late        # in arrival order behind the sibling
+        assert all(s.status is Status.FINISHED for s in (a, b, late))

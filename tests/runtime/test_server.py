@@ -184,6 +184,8 @@ def test_chat_completions_are_completions_of_the_chat_templates_prompt(server):
     c = r.choices[0]
     assert c.message.role == "assistant" and c.message.content == want["text"] and c.finish_reason == "length"
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
+    assert post(server, {"messages": messages}, path="/tokenize").json()["tokens"] == ids      # vLLM's chat form
+    assert post(server, {"messages": messages, "stream": True}, path="/tokenize").status_code == 400
     assert [e.token for e in c.logprobs.content] == want["logprobs"]["tokens"]
     assert [e.logprob for e in c.logprobs.content] == pytest.approx(want["logprobs"]["token_logprobs"])
     assert all(len(e.top_logprobs) == 1 and bytes(e.bytes).decode() == e.token for e in c.logprobs.content)
@@ -380,6 +382,31 @@ def test_tool_calls_parsed_from_deepseek_markers_and_forced_by_tool_choice(serve
     deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
     assert [d.index for d in deltas] == [0, 1] and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert [d.function.arguments for d in deltas] == [t.function.arguments for t in c.message.tool_calls]
+    # a stop string holds back the stream's tail; the markers release it whole
+    chunks = list(client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=75,
+                                                 temperature=0, stream=True, stop=["never-written"], extra_body=force))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Sure."
+    # parallel_tool_calls false: one call
+    one = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=75, temperature=0,
+                                         parallel_tool_calls=False, extra_body=force)
+    assert len(one.choices[0].message.tool_calls) == 1
+    one = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=80, temperature=0)
+    assert len(one.choices[0].message.tool_calls) == 1 and one.choices[0].finish_reason == "tool_calls"
+    # the calls and their results go back to the model as clients send them: content null, arguments a JSON string
+    # (or an object, which some clients send); without the tools this time, to fit the test model's context
+    call = c.message.tool_calls[0]
+    turn = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}},
+                {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "12 C"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "15 C"}]
+    r = post(server, {"messages": turn, "max_tokens": 3, "temperature": 0}, path="/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    ids = post(server, {"messages": turn}, path="/tokenize").json()["tokens"]
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    text = post(server, {"tokens": ids}, path="/detokenize").json()["prompt"]
+    assert '{"city": "Paris"}' in text and "15 C" in text and "None" not in text
     # forced: a list of calls ('required'), the named function's arguments
     close = post(server, {"prompt": "]", "add_special_tokens": False}, path="/tokenize").json()["tokens"][0]
     r = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, tool_choice="required",
