@@ -173,19 +173,33 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="Reuse the KV of full blocks earlier requests left in the pool when a prompt starts with the "
                    "same tokens (shared system prompts, multi-turn chats, repeated prompts): those are not recomputed.")
+@click.option("--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Speculative decoding with n-gram drafts (prompt lookup, no draft model): up to this many "
+                   "tokens a step, proposed from what followed the sequence's last tokens earlier in its prompt "
+                   "and output, verified in the same decode step (outputs unchanged: greedy stays greedy, "
+                   "sampling keeps its distribution); pays on text that repeats its context. 0 = off.")
+@click.option("--prompt-lookup-min", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Shortest n-gram the drafts match.")
+@click.option("--prompt-lookup-max", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Longest n-gram the drafts match (tried first).")
 @click.option("--warmup/--no-warmup", default=None,
               help="Before serving, run every compiled step shape once (default: on for GPU devices, where graphs "
                    "compile and decode steps are captured at first use; off on the CPU, whose graphs are built).")
 @_errors
 def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos, as_json,
              verify_only, device, host, port, api_key, max_waiting, max_prefill_streak, prefix_caching, threads,
-             warmup):
+             num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, warmup):
     """Load a compiled artifact and generate (--prompt) or serve OpenAI-compatible /v1/completions and
     /v1/chat/completions."""
     from .runtime.artifact import open_artifact
     from .runtime.engine import Engine
     from .runtime.sequence import SamplingParams
     timing = os.environ.get("DEEPINFER_REGION_TIMING", "") not in ("", "0")
+    if prompt_lookup_min > prompt_lookup_max:
+        raise click.BadParameter(f"--prompt-lookup-min {prompt_lookup_min} is above --prompt-lookup-max "
+                                 f"{prompt_lookup_max}", param_hint="--prompt-lookup-min")
+    spec = dict(num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=prompt_lookup_min,
+                prompt_lookup_max=prompt_lookup_max)
     serving = not prompts and not prompt_ids and not verify_only
     _set_threads(threads, serving)
     if verify_only:
@@ -199,11 +213,11 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
         from .runtime.server import serve
         serve(artifacts, host=host, port=port, api_key=api_key or os.environ.get("DEEPINFER_API_KEY"),
               device=device, max_waiting=max_waiting, timing=timing, torchrun=_torchrun(),
-              max_prefill_streak=max_prefill_streak, prefix_caching=prefix_caching,
+              max_prefill_streak=max_prefill_streak, prefix_caching=prefix_caching, speculative=spec,
               warmup=device != "cpu" if warmup is None else warmup)
         return
     engine = Engine.from_artifact(artifacts, device=device, timing=timing, torchrun=_torchrun(),
-                                  max_prefill_streak=max_prefill_streak, prefix_caching=prefix_caching)
+                                  max_prefill_streak=max_prefill_streak, prefix_caching=prefix_caching, **spec)
     if engine is None:      # a torchrun follower rank: it served the leader until the end
         return
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

@@ -18,6 +18,7 @@ from ..common.manifest import Manifest
 from .artifact import Artifact, load_graph, load_weights, open_artifact
 from .model_runner import ModelRunner, RegionTimer, build_inputs, logit_rows
 from .sampler import sample
+from .speculative import verify as verify_draft
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -31,11 +32,14 @@ class StepOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
+    index: int = -1          # the token's place in seq.output_ids (a step may output several: speculative drafts)
+    text: str = ""           # seq.output_text once this token is in
 
 
 class Engine:
     def __init__(self, manifest: Manifest, runner: ModelRunner, tokenizer: Tokenizer | None,
-                 followers=None, max_waiting: int = 1024, max_prefill_streak: int = 4, prefix_caching: bool = True):
+                 followers=None, max_waiting: int = 1024, max_prefill_streak: int = 4, prefix_caching: bool = True,
+                 num_speculative_tokens: int = 0, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
         self.manifest = manifest
         self.runner = runner
         self.tokenizer = tokenizer
@@ -49,7 +53,8 @@ class Engine:
             decode_buckets=cc.decode_buckets, prefill_buckets=cc.prefill_buckets,
             context_buckets=cc.context_buckets, context_limit=cc.context_limit, block_size=cc.block_size,
             num_blocks=cc.num_kv_blocks, max_waiting=max_waiting, max_prefill_streak=max_prefill_streak,
-            prefix_caching=prefix_caching))
+            prefix_caching=prefix_caching, num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max))
         self.eos_ids = set(manifest.model.eos_token_ids)
         from ..common.manifest import HEAD, PREFILL, graph_name
         names = {g.name for g in manifest.graphs}
@@ -60,6 +65,8 @@ class Engine:
         self._grammars = None             # structured outputs' grammar engine, built at its first request
         self.num_steps = 0
         self.num_generated = 0
+        self.num_draft_tokens = 0         # speculative draft tokens verified, and those accepted
+        self.num_accepted_tokens = 0
         self.host_seconds = 0.0
         self.sampler_seconds = 0.0
 
@@ -252,6 +259,7 @@ class Engine:
         t2 = time.perf_counter()
         outputs = self._postprocess(step, logits)
         t3 = time.perf_counter()
+        self.scheduler.observe(step, t3 - t0)
         self.num_steps += 1
         self.host_seconds += (t1 - t0) + (t3 - t2)
         self.sampler_seconds += t3 - t2
@@ -266,61 +274,104 @@ class Engine:
         for e, (r, n) in zip(step.entries, rows):
             if e.all_logits and not e.seq.is_finished:
                 _collect_prompt_logprobs(e, logits[r:r + n])
-        picks = [(e.seq, r + n - 1) for e, (r, n) in zip(step.entries, rows) if e.wants_logits]
-        if not picks:
-            return []
-        sampled = [seq for seq, _ in picks]
-        at = [r for _, r in picks]
-        tokens, lps, tops = sample(logits if at == list(range(len(at))) else logits[at], sampled, self.eos_ids)
+        picks = [(e.seq, r + n - 1) for e, (r, n) in zip(step.entries, rows) if e.wants_logits and not e.num_draft]
+        chosen: dict[int, tuple[list[int], list[float], list[dict[int, float]]]] = {}
+        if picks:
+            sampled = [seq for seq, _ in picks]
+            at = [r for _, r in picks]
+            tokens, lps, tops = sample(logits if at == list(range(len(at))) else logits[at], sampled, self.eos_ids)
+            for seq, tok, lp, top in zip(sampled, tokens, lps, tops):
+                chosen[seq.seq_id] = [tok], [lp], [top]
+        for e, (r, n) in zip(step.entries, rows):
+            if e.num_draft and not e.seq.is_finished:
+                chosen[e.seq.seq_id] = self._verified(e.seq, logits[r:r + n])
         now = time.monotonic()
         outs = []
         limit = self.manifest.compile.context_limit
-        for seq, tok, lp, top in zip(sampled, tokens, lps, tops):
-            if seq.is_finished:   # aborted while the step ran
+        for e in step.entries:
+            seq = e.seq
+            draft, seq.draft_ids = seq.draft_ids, []
+            if not e.wants_logits or seq.is_finished:     # a prompt chunk short of its end; aborted while it ran
                 continue
-            seq.output_ids.append(tok)
-            seq.token_logprobs.append(lp)
-            seq.output_logprobs.append(top)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self.num_generated += 1
+            tokens, lps, tops = chosen[seq.seq_id]
             reason = None
-            # EOS (unless ignored) and stop_token_ids finish the sequence; as in vLLM, their text is not output
-            stop_token = (tok in self.eos_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids
-            text = ""
-            det = self._detok.get(seq.seq_id)
-            if det is not None and not stop_token:
-                text = det.add([tok])
-                seq.output_text = det.text
-            early = len(seq.output_ids) <= seq.params.min_tokens       # stop strings count after min_tokens
-            if early:
-                seq.stop_from = len(seq.output_text)
-            cut = False
-            if seq.constraint is not None:
-                seq.constraint.consume(tok)
-                if seq.constraint.error:
-                    log.warning("request %d: structured output stopped: %s", seq.seq_id, seq.constraint.error)
-            if stop_token or (seq.constraint is not None and seq.constraint.done):
-                reason = "stop"
-            elif seq.params.stop and det is not None and not early:
-                hit = _first_stop(seq.output_text, seq.params.stop, seq.stop_from)
-                if hit is not None:
-                    emitted_before = len(seq.output_text) - len(text)
-                    text = seq.output_text[emitted_before:hit] if hit > emitted_before else ""
-                    seq.output_text = seq.output_text[:hit]
-                    reason, cut = "stop", True
-            if reason is None and (len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= limit):
-                reason = "length"
-            if reason is not None and det is not None and not cut:
-                # Flush what the incremental decoder held back (an incomplete UTF-8 tail decodes as U+FFFD).
-                full = det.flush()
-                text += full[len(seq.output_text):]
-                seq.output_text = full
+            emitted = 0
+            for tok, lp, top in zip(tokens, lps, tops):
+                out, reason = self._emit(seq, tok, lp, top, now, limit)
+                outs.append(out)
+                emitted += 1
+                if reason is not None:
+                    break
+            if e.num_draft:
+                # the draft tokens verify() kept and were output (EOS or a stop string may cut them); the last
+                # token has no KV yet
+                accepted = min(emitted, len(tokens) - 1)
+                self.num_draft_tokens += len(draft)
+                self.num_accepted_tokens += accepted
+                self.scheduler.record_draft(seq, len(draft), accepted)
+                seq.num_computed = e.start + 1 + accepted
+                self.scheduler.blocks.register(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._detok.pop(seq.seq_id, None)
-            outs.append(StepOutput(seq, [tok], text, reason is not None))
         return outs
+
+    def _verified(self, seq: Sequence, rows: torch.Tensor) -> tuple[list[int], list[float], list[dict[int, float]]]:
+        """A drafted sequence's tokens for this step (runtime/speculative.py) with their logprobs where asked."""
+        tokens = verify_draft(rows, seq, seq.draft_ids)
+        n = seq.params.logprobs
+        if n is None:
+            return tokens, [0.0] * len(tokens), [{} for _ in tokens]
+        lp = torch.log_softmax(rows[:len(tokens)].float().cpu(), dim=-1)
+        chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+        if not n:
+            return tokens, chosen, [{} for _ in tokens]
+        v, ix = lp.topk(n, dim=-1)
+        return tokens, chosen, [{int(t): float(x) for t, x in zip(i, vv)} for i, vv in zip(ix.tolist(), v.tolist())]
+
+    def _emit(self, seq: Sequence, tok: int, lp: float, top: dict[int, float], now: float, limit: int
+              ) -> tuple[StepOutput, str | None]:
+        """One new token of `seq`: appended, detokenized, checked for EOS, stop tokens, stop strings, max_tokens
+        and the context limit; returns its output and the finish reason, if any (the caller finishes it)."""
+        seq.output_ids.append(tok)
+        seq.token_logprobs.append(lp)
+        seq.output_logprobs.append(top)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self.num_generated += 1
+        reason = None
+        # EOS (unless ignored) and stop_token_ids finish the sequence; as in vLLM, their text is not output
+        stop_token = (tok in self.eos_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids
+        text = ""
+        det = self._detok.get(seq.seq_id)
+        if det is not None and not stop_token:
+            text = det.add([tok])
+            seq.output_text = det.text
+        early = len(seq.output_ids) <= seq.params.min_tokens       # stop strings count after min_tokens
+        if early:
+            seq.stop_from = len(seq.output_text)
+        cut = False
+        if seq.constraint is not None:
+            seq.constraint.consume(tok)
+            if seq.constraint.error:
+                log.warning("request %d: structured output stopped: %s", seq.seq_id, seq.constraint.error)
+        if stop_token or (seq.constraint is not None and seq.constraint.done):
+            reason = "stop"
+        elif seq.params.stop and det is not None and not early:
+            hit = _first_stop(seq.output_text, seq.params.stop, seq.stop_from)
+            if hit is not None:
+                emitted_before = len(seq.output_text) - len(text)
+                text = seq.output_text[emitted_before:hit] if hit > emitted_before else ""
+                seq.output_text = seq.output_text[:hit]
+                reason, cut = "stop", True
+        if reason is None and (len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= limit):
+            reason = "length"
+        if reason is not None and det is not None and not cut:
+            # Flush what the incremental decoder held back (an incomplete UTF-8 tail decodes as U+FFFD).
+            full = det.flush()
+            text += full[len(seq.output_text):]
+            seq.output_text = full
+        return StepOutput(seq, [tok], text, reason is not None, len(seq.output_ids) - 1, seq.output_text), reason
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -162,9 +162,10 @@ class EngineLoop:
             if s is None:
                 continue
             seq = out.seq
-            s.push(TokenEvent(token_id=out.new_token_ids[-1], text=seq.output_text,
-                              logprob=seq.token_logprobs[-1], top_logprobs=seq.output_logprobs[-1],
-                              finished=out.finished, finish_reason=seq.finish_reason))
+            # one event a token (a verified draft gives several a step), each with the text as of that token
+            s.push(TokenEvent(token_id=out.new_token_ids[-1], text=out.text,
+                              logprob=seq.token_logprobs[out.index], top_logprobs=seq.output_logprobs[out.index],
+                              finished=out.finished, finish_reason=seq.finish_reason if out.finished else None))
             if out.finished:
                 del self._streams[seq.seq_id]
         if self.on_step is not None:

@@ -36,7 +36,12 @@ class Metrics:
                                   registry=r)
         self.kv_cached = Gauge("deepinfer_kv_blocks_cached", "KV blocks holding a registered prefix (in use or "
                                "evictable)", registry=r)
-        self._seen = (0, 0)
+        # as vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens: acceptance rate = accepted / draft
+        self.spec_draft = Counter("deepinfer_spec_decode_num_draft_tokens", "Speculative (n-gram) draft tokens "
+                                  "verified", registry=r)
+        self.spec_accepted = Counter("deepinfer_spec_decode_num_accepted_tokens", "Speculative draft tokens "
+                                     "accepted", registry=r)
+        self._seen = (0, 0, 0, 0)
 
     def on_step(self, engine, outputs, seconds: float) -> None:
         """Runs on the engine thread after every step."""
@@ -59,10 +64,12 @@ class Metrics:
         self.kv_used.set(sched.blocks.num_used)
         bm = sched.blocks
         self.kv_cached.set(bm.num_cached)
-        q, h = self._seen
+        q, h, d, a = self._seen
         self.cache_queries.inc(bm.queries - q)
         self.cache_hits.inc(bm.hits - h)
-        self._seen = (bm.queries, bm.hits)
+        self.spec_draft.inc(engine.num_draft_tokens - d)
+        self.spec_accepted.inc(engine.num_accepted_tokens - a)
+        self._seen = (bm.queries, bm.hits, engine.num_draft_tokens, engine.num_accepted_tokens)
 
     def observe_finished(self, seq) -> None:
         import time

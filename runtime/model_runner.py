@@ -40,7 +40,7 @@ def logit_rows(step: ScheduledStep) -> list[tuple[int, int]]:
     logprobs; the last one is the sampled row when it wants logits), else its last token's if it wants logits."""
     out, r = [], 0
     for e in step.entries:
-        n = e.num_tokens if e.all_logits else int(e.wants_logits)
+        n = e.num_tokens if e.every_row else int(e.wants_logits)
         out.append((r, n))
         r += n
     return out
@@ -82,7 +82,7 @@ def build_inputs(step: ScheduledStep, cc: CompileConfig) -> StepInputs:
             slots[t] = seq.block_table[pos // block_size] * block_size + pos % block_size
             if step.kind == DECODE:
                 tables[t, : len(table)] = table
-            if e.all_logits or (e.wants_logits and pos == end - 1):
+            if e.every_row or (e.wants_logits and pos == end - 1):
                 logit_idx[n_logits] = t
                 n_logits += 1
             t += 1

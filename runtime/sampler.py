@@ -79,6 +79,11 @@ def process_logits(row: torch.Tensor, seq: Sequence, eos_ids=frozenset()) -> tor
 
 def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
                 generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(sampling_probs(row, temperature, top_k, top_p), 1, generator=generator))
+
+
+def sampling_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution a row is sampled from: temperature, then top-k, then top-p."""
     row = (row.float() - row.max()) / temperature     # shifted first: no inf - inf = NaN for small temperatures
     if 0 < top_k < row.numel():
         kth = row.topk(top_k).values[-1]
@@ -90,5 +95,4 @@ def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
         drop = probs.cumsum(-1) - probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         row = torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits)
-    probs = row.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return row.softmax(-1)

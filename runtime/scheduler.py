@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ..common.errors import CapacityError
 from .block_manager import BlockManager, blocks_for
 from .sequence import Sequence, Status
+from .speculative import NgramProposer
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class SchedulerConfig:
     max_prefill_streak: int = 4
     # New sequences start after the longest prefix of full KV blocks some earlier sequence left in the pool.
     prefix_caching: bool = True
+    # Speculative decoding with n-gram drafts (runtime/speculative.py): up to this many draft tokens a decoding
+    # sequence, in decode steps' spare tokens (after every running sequence and every admitted prompt); 0 = off.
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self):
         if self.max_prefill_streak < 1:
@@ -50,6 +56,12 @@ class StepEntry:
     num_tokens: int
     wants_logits: bool   # this step reaches the sequence's last known token: sample the next one
     all_logits: bool = False   # logits of every position (prompt logprobs), the last one's sampled if wanted
+    num_draft: int = 0   # speculative tokens after the last known one (seq.draft_ids), verified after the step
+
+    @property
+    def every_row(self) -> bool:
+        """Logits at every position: prompt logprobs, or a draft to verify."""
+        return self.all_logits or self.num_draft > 0
 
     @staticmethod
     def of(seq: Sequence, num_tokens: int) -> "StepEntry":
@@ -71,6 +83,10 @@ class ScheduledStep:
         return sum(e.num_tokens for e in self.entries)
 
 
+EXPLORE_GAP, MAX_EXPLORE_GAP = 16, 512     # tokens between a sequence's drafts tried as if certain (_add_drafts)
+STALE_COST_STEPS = 2000                    # decode steps after which a shape's measured cost is measured again
+
+
 def smallest_at_least(buckets: tuple[int, ...], n: int) -> int | None:
     i = bisect.bisect_left(buckets, n)
     return buckets[i] if i < len(buckets) else None
@@ -83,6 +99,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._prefill_streak = 0      # consecutive prefill chunks while decode-ready sequences waited
+        self._step_cost: dict[tuple[int, int], float] = {}     # decode seconds per (T, C): see observe()
+        self._shapes_seen: set[tuple[int, int]] = set()
+        self._cost_at: dict[tuple[int, int], int] = {}       # the decode step that last measured a shape
+        self._decode_steps = 0
+        self.draft_hits = self.draft_trials = 0                 # every sequence's drafts: see record_draft()
+        self.proposer = NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) \
+            if cfg.num_speculative_tokens else None
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -258,8 +281,129 @@ class Scheduler:
             used += n
         if not entries:
             return None
+        if self.proposer is not None and used < budget:
+            used += self._add_drafts(entries, used)
         ctx = self._context_bucket(max(e.start + e.num_tokens for e in entries))
         return ScheduledStep("decode", smallest_at_least(self.cfg.decode_buckets, used), ctx, tuple(entries))
+
+    def _add_drafts(self, entries: list[StepEntry], used: int) -> int:
+        """Give decoding sequences n-gram drafts in the step's spare tokens; returns the tokens added.
+
+        Drafts in the rows the bucket pads anyway cost next to nothing; a larger bucket costs what its steps were
+        measured to take, so it is taken only when the drafts' expected accepted tokens repay it: the plan with
+        the most expected tokens per second wins, no drafts included. A sequence's chance of acceptance is its
+        own record, starting from everyone's; now and then (EXPLORE_GAP tokens apart, twice as far after each
+        miss, up to MAX_EXPLORE_GAP) a draft is tried as if certain, so a sequence that starts repeating itself
+        is noticed. Not for sequences whose logits are processed (penalties, grammars, min_tokens: each token's
+        processing depends on the ones before), nor beyond max_tokens or the context limit; never preempting for
+        a draft."""
+        buckets, limit = self.cfg.decode_buckets, self.cfg.context_limit
+        room_max = max(buckets) - used
+        prior = (self.draft_hits + 1) / (self.draft_trials + 2)
+        cands = []          # (entry index, most draft tokens, chance each is accepted)
+        for j, e in enumerate(entries):
+            seq = e.seq
+            if e.num_tokens != 1 or not e.wants_logits or e.start < len(seq.prompt_ids) or seq.processes_logits:
+                continue
+            k = min(room_max, self.proposer.k, seq.params.max_tokens - len(seq.output_ids) - 1,
+                    limit - seq.num_tokens)
+            if k > 0:
+                p = 1.0 if len(seq.output_ids) >= seq.draft_explore_at else \
+                    (seq.draft_hits + 2 * prior) / (seq.draft_trials + 2)
+                cands.append((j, k, p))
+        if not cands:
+            return 0
+        sampled = sum(e.wants_logits for e in entries)       # tokens the step outputs without drafts
+        need = max(e.start + e.num_tokens for e in entries)
+        base = smallest_at_least(buckets, used)
+        base_rate = sampled / self.step_cost(base, self._context_bucket(need))
+
+        def best_plan(lengths: dict[int, int]):
+            best_rate, best = base_rate, None
+            for T in (t for t in buckets if t >= base):
+                room, plan, gain, ctx = T - used, [], 0.0, need
+                for j, _, p in cands:
+                    n = min(lengths.get(j, 0), room)
+                    if n <= 0:
+                        continue
+                    plan.append((j, n))
+                    room -= n
+                    gain += sum(p ** i for i in range(1, n + 1))
+                    ctx = max(ctx, entries[j].start + 1 + n)
+                rate = (sampled + gain) / self.step_cost(T, self._context_bucket(ctx))
+                if rate > best_rate:
+                    best_rate, best = rate, plan
+            return best
+        # drafts cost a lookup each: only where full-length drafts could pay at all
+        if best_plan({j: k for j, k, _ in cands}) is None:
+            return 0
+        drafts = {}
+        for j, k, _ in cands:
+            d = self.proposer.propose_for(entries[j].seq, k)
+            if d:
+                drafts[j] = d
+        added = 0
+        taken = 0           # blocks the drafts took so far
+        for j, n in best_plan({j: len(d) for j, d in drafts.items()}) or ():
+            e = entries[j]
+            seq, draft = e.seq, drafts[j][:n]
+            while draft and not self._can_draft(self.blocks.blocks_needed(seq, 1 + len(draft)), taken):
+                draft = draft[:-1]
+            if not draft:
+                continue
+            taken += self.blocks.blocks_needed(seq, 1 + len(draft))
+            self.blocks.allocate(seq, 1 + len(draft))
+            seq.draft_ids = draft
+            seq.draft_exploring = len(seq.output_ids) >= seq.draft_explore_at
+            entries[j] = StepEntry(seq, e.start, 1 + len(draft), True, False, len(draft))
+            added += len(draft)
+        return added
+
+    def _can_draft(self, blocks: int, taken: int) -> bool:
+        """Drafts take never-cached free blocks only (a draft that may be rejected evicts no cached prefix) and
+        leave one for each running sequence (which may need a new block next step: no preemption for drafts)."""
+        return blocks + taken + len(self.running) <= len(self.blocks.free_blocks) or blocks == 0
+
+    def record_draft(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verified draft of `drafted` tokens, `accepted` of them kept."""
+        verified = accepted + (accepted < drafted)          # tried up to the first rejection
+        seq.draft_hits += accepted
+        seq.draft_trials += verified
+        if seq.draft_exploring:         # a try as if certain: back off unless it all held
+            seq.draft_exploring = False
+            full = accepted == drafted
+            seq.draft_explore_gap = EXPLORE_GAP if full else min(2 * seq.draft_explore_gap, MAX_EXPLORE_GAP)
+            seq.draft_explore_at = len(seq.output_ids) + seq.draft_explore_gap
+        self.draft_hits += accepted
+        self.draft_trials += verified
+
+    def observe(self, step: ScheduledStep, seconds: float) -> None:
+        """A decode step's wall time, averaged per (token bucket, context bucket): what drafts weigh. A shape's
+        first step is left out (it may carry a GPU's compile-at-first-use or graph capture)."""
+        if step.kind != "decode":
+            return
+        key = (step.tokens, step.context)
+        self._decode_steps += 1
+        old = self._step_cost.get(key)
+        if old is not None and self._decode_steps - self._cost_at[key] > STALE_COST_STEPS:
+            old = None                  # stale: measured afresh
+        self._cost_at[key] = self._decode_steps
+        if key not in self._shapes_seen:
+            self._shapes_seen.add(key)
+        else:
+            self._step_cost[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def step_cost(self, tokens: int, context: int) -> float:
+        """A decode step's measured seconds. One never measured, or not for STALE_COST_STEPS decode steps, is
+        taken as dear as the dearest freshly measured shape it contains (optimistic: it is tried and measured
+        again; a cost inflated by a stall would otherwise keep its bucket out for good), or 1 when nothing is."""
+        key = (tokens, context)
+        cost = self._step_cost.get(key)
+        if cost is not None and self._decode_steps - self._cost_at[key] <= STALE_COST_STEPS:
+            return max(cost, 1e-9)
+        below = [c for (t, ctx), c in self._step_cost.items() if t <= tokens and ctx <= context and (t, ctx) != key
+                 and self._decode_steps - self._cost_at[(t, ctx)] <= STALE_COST_STEPS]
+        return max(max(below) if below else min(self._step_cost.values(), default=1.0), 1e-9)
 
     def _context_bucket(self, n: int) -> int:
         c = smallest_at_least(self.cfg.context_buckets, n)
@@ -295,5 +439,6 @@ class Scheduler:
     # -- after the step ---------------------------------------------------------------------------
     def advance(self, step: ScheduledStep) -> None:
         for e in step.entries:
-            e.seq.num_computed = e.start + e.num_tokens
+            # a draft's KV counts once verified (Engine._postprocess): its rejected tokens' slots are rewritten
+            e.seq.num_computed = e.start + e.num_tokens - e.num_draft
             self.blocks.register(e.seq)

@@ -79,6 +79,13 @@ class Sequence:
     _keys: list = field(default_factory=list, repr=False)   # prefix-cache keys of the leading full blocks
     cache_match: tuple | None = field(default=None, repr=False)   # BlockManager.match's memo
     constraint: object | None = field(default=None, repr=False)   # structured.Constraint of params.structure
+    draft_ids: list[int] = field(default_factory=list)   # speculative tokens after the last one, for one step
+    draft_hits: int = 0               # draft tokens accepted, and draft tokens verified up to each first rejection
+    draft_trials: int = 0
+    draft_explore_at: int = 16        # output length at which a draft is next tried whatever the record says
+    draft_explore_gap: int = 16
+    draft_exploring: bool = False     # its current draft is such a try
+    ngrams: object | None = field(default=None, repr=False)       # speculative.NgramIndex of its tokens
 
     def __post_init__(self):
         if not self.params.greedy:
@@ -109,7 +116,10 @@ class Sequence:
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)
-        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+        if pos < n:
+            return self.prompt_ids[pos]
+        m = len(self.output_ids)
+        return self.output_ids[pos - n] if pos - n < m else self.draft_ids[pos - n - m]
 
     @property
     def wants_prompt_logprobs(self) -> bool:

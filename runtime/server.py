@@ -384,10 +384,13 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
             off += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
-    def _usage(req, prompts, streams) -> dict:
+    def _usage(req, prompts, streams, sent_tokens: list[int] | None = None) -> dict:
+        """Usage of a request; mid-stream, `sent_tokens` counts the tokens each choice has streamed so far (a
+        step may have produced more: speculative drafts)."""
         n = req.n
         p = sum(len(x) for x in prompts)
-        c = 0 if _scoring(req) else sum(len(s.seq.output_ids) for s in streams)
+        c = 0 if _scoring(req) else sum(sent_tokens) if sent_tokens is not None else \
+            sum(len(s.seq.output_ids) for s in streams)
         usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
         if engine.scheduler.cfg.prefix_caching:      # as OpenAI and vLLM: prompt tokens served from the cache
             # (each prompt counted once, as prompt_tokens counts it: by its first choice)
@@ -474,6 +477,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         tasks = [asyncio.create_task(forward(i, s)) for i, s in enumerate(streams)]
         holdback = max((len(x) for x in (_stops(req))), default=1) - 1
         sent = [0] * len(streams)
+        ntok = [0] * len(streams)      # tokens streamed per choice
         emitted = [0] * len(streams)
         created = now()
         remaining = len(streams)
@@ -498,7 +502,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
             body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
             if continuous_usage:        # vLLM's extension: the running usage on every chunk
-                body["usage"] = _usage(req, prompts, streams)
+                body["usage"] = _usage(req, prompts, streams, ntok)
             return "data: " + json.dumps(body) + "\n\n"
         scoring = _scoring(req)
         # echo with logprobs: the prompt's chunk waits for the choice's first event (its prompt logprobs are in)
@@ -521,6 +525,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
                     yield "data: " + json.dumps(error_body(f"generation failed: {ev}", "server_error", 500)) + "\n\n"
                     remaining -= 1
                     continue
+                ntok[i] += 1
                 if not echoed[i]:
                     yield echo(i)
                 if scoring:
@@ -688,7 +693,7 @@ def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
 def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           device: str = "cpu", max_waiting: int = 256, timing: bool = False,
           torchrun: tuple[int, int] | None = None, max_prefill_streak: int = 4, warmup: bool = False,
-          prefix_caching: bool = True) -> None:
+          prefix_caching: bool = True, speculative: dict | None = None) -> None:
     """Serve until SIGINT/SIGTERM (graceful: stop accepting, let in-flight requests finish for up to 30 s,
     abort the rest, stop the followers) or until a rank fails (then raise, naming it)."""
     import uvicorn
@@ -701,7 +706,7 @@ def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_
 
     engine = Engine.from_artifact(artifacts, device=device, timing=timing, max_waiting=max_waiting,
                                   max_prefill_streak=max_prefill_streak, torchrun=torchrun,
-                                  prefix_caching=prefix_caching)
+                                  prefix_caching=prefix_caching, **(speculative or {}))
     if engine is None:      # a torchrun follower rank
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -428,6 +428,39 @@ def test_tool_calls_parsed_from_deepseek_markers_and_forced_by_tool_choice(serve
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
 
 
+def test_a_drafting_server_streams_what_the_plain_one_returns(server):
+    """--num-speculative-tokens: a step may output several tokens of a choice; the stream still sends each token
+    with its own text and logprobs, and the whole equals the plain server's greedy output; /metrics counts the
+    drafts."""
+    proc, base = start_server(server["art"], "--num-speculative-tokens", "3")
+    try:
+        unit = [11, 57, 203, 9, 88, 140]
+        body = {"prompt": unit * 4, "max_tokens": 30, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+        want = post(server, body).json()["choices"][0]
+        got = httpx.post(base + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        assert got["text"] == want["text"] and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+        chunks, usage = [], []
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        with httpx.stream("POST", base + "/v1/completions", json=stream, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    data = json.loads(line[6:])
+                    if data["choices"]:
+                        chunks.append(data["choices"][0])
+                        usage.append(data["usage"]["completion_tokens"])
+        assert "".join(c["text"] for c in chunks) == want["text"]
+        assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == want["logprobs"]["tokens"]
+        assert usage == list(range(1, 31))        # tokens streamed so far, not what the step already made
+        metrics = httpx.get(base + "/metrics").text
+        drafted = float(next(l.split()[-1] for l in metrics.splitlines()
+                             if l.startswith("deepinfer_spec_decode_num_draft_tokens_total")))
+        assert drafted > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
 def test_oversized_bodies_are_413s_and_the_server_keeps_serving(server):
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     big = b'{"prompt": "' + b"a" * (17 << 20) + b'"}'
