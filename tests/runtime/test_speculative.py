@@ -91,6 +91,19 @@ def test_drafts_take_only_the_spare_tokens_and_skip_processed_logits():
     assert a.num_computed == by[a].start + 1   # the draft's KV counts only once verified (by the engine)
 
 
+def _decoding(sched: Scheduler, prompt: list[int]) -> Sequence:
+    """A sequence of `prompt` run to its first output token (the prompt's period-4 pattern going on): its next
+    step is a decode step."""
+    seq = Sequence(prompt, SamplingParams(max_tokens=20))
+    sched.add(seq)
+    while not seq.output_ids:
+        step = sched.schedule()
+        sched.advance(step)
+        if step.entries[0].wants_logits:
+            seq.output_ids.append(prompt[seq.num_tokens % 4])
+    return seq
+
+
 def _measured(sched: Scheduler, costs: dict) -> None:
     """Decode steps of these (tokens, context) shapes took these seconds (each shape's first step is left out)."""
     for (t, c), seconds in costs.items():
@@ -105,13 +118,7 @@ def test_a_larger_bucket_is_taken_only_when_the_drafts_repay_its_measured_cost()
     rep = [5, 6, 7, 8] * 3
     for cost4, hits, taken in ((10.0, 0, False), (1.2, 20, True), (1.2, 0, False)):
         sched = Scheduler(_cfg())
-        a = Sequence(rep, SamplingParams(max_tokens=20))
-        sched.add(a)
-        while not a.output_ids:
-            step = sched.schedule()
-            sched.advance(step)
-            if step.entries[0].wants_logits:
-                a.output_ids.append(5)
+        a = _decoding(sched, rep)
         a.draft_hits, a.draft_trials = hits, 20
         _measured(sched, {(1, 64): 1.0, (4, 64): cost4})
         step = sched.schedule()
@@ -216,13 +223,7 @@ def test_drafts_take_no_cached_block_and_leave_running_sequences_theirs():
                 if step.entries[0].wants_logits:
                     sched.finish(old, "stop")
             assert sched.blocks.num_cached == 1 and len(sched.blocks.free_blocks) == num_blocks - 1
-        a = Sequence(rep, SamplingParams(max_tokens=20))
-        sched.add(a)
-        while not a.output_ids:
-            step = sched.schedule()
-            sched.advance(step)
-            if step.entries[0].wants_logits:
-                a.output_ids.append(rep[a.num_tokens % 4])
+        a = _decoding(sched, rep)
         step = sched.schedule()           # drafts [8, 5, 6] at 15, 16, 17: 16 and 17 need block 1
         assert step.entries[0].num_draft == want, (num_blocks, cached)
         assert sched.blocks.num_cached == int(cached)
