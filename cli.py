@@ -173,6 +173,9 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="Reuse the KV of full blocks earlier requests left in the pool when a prompt starts with the "
                    "same tokens (shared system prompts, multi-turn chats, repeated prompts): those are not recomputed.")
+@click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
+              help="The model name(s) requests may ask for (repeatable; the first is the one responses and "
+                   "/v1/models report); default: the artifact's name.")
 @click.option("--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="Speculative decoding with n-gram drafts (prompt lookup, no draft model): up to this many "
                    "tokens a step, proposed from what followed the sequence's last tokens earlier in its prompt "
@@ -188,13 +191,15 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
 @_errors
 def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos, as_json,
              verify_only, device, host, port, api_key, max_waiting, max_prefill_streak, prefix_caching, threads,
-             num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, warmup):
+             served_model_names, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, warmup):
     """Load a compiled artifact and generate (--prompt) or serve OpenAI-compatible /v1/completions and
     /v1/chat/completions."""
     from .runtime.artifact import open_artifact
     from .runtime.engine import Engine
     from .runtime.sequence import SamplingParams
     timing = os.environ.get("DEEPINFER_REGION_TIMING", "") not in ("", "0")
+    if any(not n.strip() for n in served_model_names):
+        raise click.BadParameter("a model name must not be empty", param_hint="--served-model-name")
     if prompt_lookup_min > prompt_lookup_max:
         raise click.BadParameter(f"--prompt-lookup-min {prompt_lookup_min} is above --prompt-lookup-max "
                                  f"{prompt_lookup_max}", param_hint="--prompt-lookup-min")
@@ -214,6 +219,7 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
         serve(artifacts, host=host, port=port, api_key=api_key or os.environ.get("DEEPINFER_API_KEY"),
               device=device, max_waiting=max_waiting, timing=timing, torchrun=_torchrun(),
               max_prefill_streak=max_prefill_streak, prefix_caching=prefix_caching, speculative=spec,
+              served_model_names=list(served_model_names),
               warmup=device != "cpu" if warmup is None else warmup)
         return
     engine = Engine.from_artifact(artifacts, device=device, timing=timing, torchrun=_torchrun(),

@@ -48,7 +48,13 @@ def _err(status: int, message: str, type_: str = "invalid_request_error", param:
     return JSONResponse(error_body(message, type_, status, param), status_code=status)
 
 
-def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str | None = None) -> FastAPI:
+def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, api_key: str | None = None
+              ) -> FastAPI:
+    """The HTTP app. `model_name`: the name(s) requests may ask for (vLLM's --served-model-name); the first is
+    the one responses report."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    model_name = names[0]
+    root = loop.engine.manifest.name
     engine: Engine = loop.engine
     tok: Tokenizer | None = engine.tokenizer
     limit = engine.manifest.compile.context_limit
@@ -96,9 +102,8 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
-        card = {"id": model_name, "object": "model", "created": now(), "owned_by": "deepinfer", "root": model_name,
-                "parent": None, "max_model_len": limit}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": now(), "owned_by": "deepinfer",
+                                            "root": root, "parent": None, "max_model_len": limit} for n in names]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -296,8 +301,9 @@ def build_app(loop: EngineLoop, model_name: str, metrics: Metrics, api_key: str 
         return ids, texts
 
     def _sampling(req: CompletionRequest, prompts: list[list[int]], limit: int) -> SamplingParams:
-        if req.model is not None and req.model != model_name:
-            raise RequestError(f"model '{req.model}' is not served here (this server serves '{model_name}')")
+        if req.model is not None and req.model not in names:
+            raise RequestError(f"model '{req.model}' is not served here (this server serves "
+                               f"{', '.join(repr(n) for n in names)})")
         if not 1 <= req.n <= MAX_N:
             raise RequestError(f"field 'n'={req.n} must be between 1 and {MAX_N}")
         if req.best_of is not None and req.best_of != req.n:
@@ -693,7 +699,8 @@ def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
 def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           device: str = "cpu", max_waiting: int = 256, timing: bool = False,
           torchrun: tuple[int, int] | None = None, max_prefill_streak: int = 4, warmup: bool = False,
-          prefix_caching: bool = True, speculative: dict | None = None) -> None:
+          prefix_caching: bool = True, speculative: dict | None = None,
+          served_model_names: list[str] | None = None) -> None:
     """Serve until SIGINT/SIGTERM (graceful: stop accepting, let in-flight requests finish for up to 30 s,
     abort the rest, stop the followers) or until a rank fails (then raise, naming it)."""
     import uvicorn
@@ -727,7 +734,7 @@ def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_
 
     loop = EngineLoop(engine, on_step=metrics.on_step, on_abort=metrics.on_abort, on_fatal=fatal)
     loop.start()
-    app = build_app(loop, engine.manifest.name, metrics, api_key)
+    app = build_app(loop, list(served_model_names or []) or engine.manifest.name, metrics, api_key)
     log.info("serving %s (%s) on http://%s:%d%s", engine.manifest.name, artifacts, host, port,
              " (API key required on /v1)" if api_key else "")
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30))

@@ -431,9 +431,17 @@ def test_tool_calls_parsed_from_deepseek_markers_and_forced_by_tool_choice(serve
 def test_a_drafting_server_streams_what_the_plain_one_returns(server):
     """--num-speculative-tokens: a step may output several tokens of a choice; the stream still sends each token
     with its own text and logprobs, and the whole equals the plain server's greedy output; /metrics counts the
-    drafts."""
-    proc, base = start_server(server["art"], "--num-speculative-tokens", "3")
+    drafts. The same server answers to the names --served-model-name gives it (the first one reported)."""
+    proc, base = start_server(server["art"], "--num-speculative-tokens", "3", "--served-model-name",
+                              "deepseek-ai/DeepSeek-V3", "--served-model-name", "ds")
     try:
+        models = httpx.get(base + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["deepseek-ai/DeepSeek-V3", "ds"]
+        r = httpx.post(base + "/v1/completions", json={"model": "ds", "prompt": [5, 6], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "deepseek-ai/DeepSeek-V3"
+        r = httpx.post(base + "/v1/completions", json={"model": models[0]["root"], "prompt": [5], "max_tokens": 1},
+                       timeout=60)
+        assert r.status_code == 400 and "'deepseek-ai/DeepSeek-V3', 'ds'" in r.json()["error"]["message"]
         unit = [11, 57, 203, 9, 88, 140]
         body = {"prompt": unit * 4, "max_tokens": 30, "temperature": 0, "logprobs": 1, "ignore_eos": True}
         want = post(server, body).json()["choices"][0]
