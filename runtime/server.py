@@ -25,7 +25,7 @@ from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, Sa
                        now)
 from .sequence import GREEDY_BELOW, SamplingParams
 from .tokenizer import Tokenizer, no_tokenizer
-from .tools import ToolParser, check_tools, forced_calls, forced_schema
+from .tools import CallStream, ToolParser, check_tools, forced_calls, forced_schema
 
 log = logging.getLogger("deepinfer.server")
 MAX_N = 16
@@ -495,13 +495,15 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         named = [False] * len(streams)
 
         held = [tools is not None and tools.schema is not None] * len(streams)   # tool-call text: not content
+        # tool_choice auto: the calls stream as they are generated (a forced call's JSON comes whole at the end)
+        calls_out = [CallStream(parser, tools.single) for _ in streams] \
+            if tools is not None and tools.schema is None else None
 
         def chunk(i: int, text: str, finish: str | None, lp: dict | None, calls: list[dict] | None = None) -> str:
             if chat:    # a choice's first chunk, which carries its first token (clients time TTFT by it), names the role
                 delta = {"content": text} if named[i] else {"role": "assistant", "content": text}
-                if calls:
-                    delta = {**({} if named[i] else {"role": "assistant"}),
-                             "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+                if calls:       # tool-call deltas, each with its call's index
+                    delta = {**({} if named[i] else {"role": "assistant"}), "tool_calls": calls}
                 named[i] = True
                 choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
@@ -541,7 +543,7 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
                 if tools is not None and tools.schema is None and ev.token_id == parser.calls_begin and \
                         not held[i]:
                     # DeepSeek's calls begin: the content so far goes out whole (what the stop-string holdback
-                    # kept too), the rest is parsed at the end
+                    # kept too), the rest is tool calls
                     delta, sent[i], held[i] = ev.text[sent[i]:], len(ev.text), True
                 else:
                     end = len(ev.text) if ev.finished else max(sent[i], len(ev.text) - holdback)
@@ -549,13 +551,16 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
                     sent[i] = sent[i] if held[i] else end
                 lp = None if req.logprobs is None else _chat_logprobs([ev]) if chat else _logprobs_block([ev], emitted[i])
                 emitted[i] += len(delta)
-                calls = None
+                calls, deltas = None, None
                 if ev.finished and tools is not None:
                     _, calls = _calls(tools, streams[i].seq, ev.text)
+                    deltas = [{"index": k, **c} for k, c in enumerate(calls)]
+                if calls_out is not None:
+                    deltas = calls_out[i].update(streams[i].seq.output_ids, final=ev.finished) if held[i] else None
                 finish = ("tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason) \
                     if ev.finished else None
-                if not held[i] or delta or lp is not None or finish or not named[i]:
-                    yield chunk(i, delta, finish, lp, calls)
+                if not held[i] or delta or deltas or lp is not None or finish or not named[i]:
+                    yield chunk(i, delta, finish, lp, deltas)
                 if ev.finished:
                     remaining -= 1
             if include_usage:

@@ -37,17 +37,97 @@ def tool_call(name: str, arguments: str) -> dict:
 def parse_calls(section: str) -> list[dict]:
     """The calls in the text after <｜tool▁calls▁begin｜> (special tokens kept), each in either layout: V3's
     `function<sep>NAME` and a fenced block, or V3.1's `NAME<sep>ARGS`. A call cut short (no end marker) is left out."""
-    calls = []
-    for m in _CALL.finditer(section):
-        head, sep, tail = m.group("body").partition(SEP)
-        if not sep:
+    calls = [_one_call(m.group("body")) for m in _CALL.finditer(section)]
+    return [tool_call(*c) for c in calls if c is not None]
+
+
+def _one_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments) of a complete call's text between its begin and end markers."""
+    head, sep, tail = body.partition(SEP)
+    if not sep:
+        return None
+    fenced = _FENCED.match(tail.strip())
+    if head.strip() == "function" and fenced:           # V3
+        return fenced.group("name").strip(), fenced.group("args").strip()
+    return head.strip(), tail.strip()                   # V3.1
+
+
+# a V3 call under way: its name line and the fence open, the arguments so far
+_FENCE_OPEN = re.compile(r"(?P<name>[^\n`]*?)\s*```[a-zA-Z]*[ \t]*\r?\n(?P<args>.*)", re.S)
+
+
+def partial_calls(section: str) -> list[tuple[str, str]]:
+    """The calls of a section still being generated, as far as they are certain: complete calls as parse_calls
+    reads them, then the one under way once its name is complete, with a prefix of its final arguments (what
+    could still be trailing whitespace, a closing fence or an incomplete UTF-8 character held back)."""
+    out = []
+    pos = 0
+    while (b := section.find(CALL_BEGIN, pos)) >= 0:
+        start = b + len(CALL_BEGIN)
+        e = section.find(CALL_END, start)
+        if e >= 0:
+            call = _one_call(section[start:e])
+            if call is not None:
+                out.append(call)
+            pos = e + len(CALL_END)
             continue
-        fenced = _FENCED.match(tail.strip())
-        if head.strip() == "function" and fenced:           # V3
-            calls.append(tool_call(fenced.group("name").strip(), fenced.group("args").strip()))
-        else:                                               # V3.1
-            calls.append(tool_call(head.strip(), tail.strip()))
-    return calls
+        head, sep, tail = section[start:].partition(SEP)
+        if sep:
+            if head.strip() != "function":                  # V3.1: NAME<sep>ARGS
+                out.append((head.strip(), _settled(tail)))
+            elif m := _FENCE_OPEN.match(tail):              # V3: a fenced block (or, unfenced, a tool named
+                out.append((m.group("name").strip(), _settled(m.group("args"), "`")))          # 'function')
+        break
+    return out
+
+
+def _settled(args: str, also: str = "") -> str:
+    """The part of a call's arguments under way that the rest cannot change: without leading whitespace, and
+    without what may still turn out to be trailing whitespace, the start of a marker, an incomplete UTF-8
+    character or (V3) the closing fence."""
+    args = args.lstrip()
+    while True:
+        cut = args.rstrip().rstrip("\ufffd" + also)
+        for m in MARKERS:
+            cut = next((cut[:-n] for n in range(len(m) - 1, 0, -1) if cut.endswith(m[:n])), cut)
+        if cut == args:
+            return args
+        args = cut
+
+
+class CallStream:
+    """One streamed choice's tool calls in OpenAI's streaming shape, as they are generated (tool_choice auto):
+    a call's first delta carries its id, type and name, later ones pieces of its arguments."""
+
+    def __init__(self, parser: "ToolParser", single: bool = False):
+        self.parser, self.single = parser, single
+        self.sent: list[list[str]] = []        # per call begun: [name, arguments sent so far]
+        self.ids: list[str] = []
+
+    def update(self, output_ids: list[int], final: bool = False) -> list[dict]:
+        """The deltas the output so far adds (final: the finished output, as the non-streamed response has it)."""
+        if self.parser.calls_begin not in output_ids:
+            return []
+        k = output_ids.index(self.parser.calls_begin)
+        section = self.parser.tokenizer.decode_raw(output_ids[k:])
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in parse_calls(section)] if final \
+            else partial_calls(section)
+        out: list[dict] = []
+        for i, (name, args) in enumerate(calls[:1] if self.single else calls):
+            if i == len(self.sent):
+                self.sent.append([name, ""])
+                self.ids.append(call_id())
+                out.append({"index": i, "id": self.ids[i], "type": "function",
+                            "function": {"name": name, "arguments": ""}})
+            done = self.sent[i][1]
+            if self.sent[i][0] != name or not args.startswith(done) or len(args) == len(done):
+                continue        # nothing new (or, never seen so far, a different reading: left as sent)
+            self.sent[i][1] = args
+            if out and out[-1]["index"] == i:
+                out[-1]["function"]["arguments"] += args[len(done):]
+            else:
+                out.append({"index": i, "function": {"arguments": args[len(done):]}})
+        return out
 
 
 def check_tools(tools: list) -> list[dict]:

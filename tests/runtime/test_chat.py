@@ -149,3 +149,35 @@ def test_deepseek_tool_call_layouts_parse(tmp_path):
     assert parser.split(ours.encode("plain", add_special_tokens=False)) == ("plain", [], False)
     assert parser.split(ours.encode("So" + CALLS_BEGIN + CALL_BEGIN + "now", add_special_tokens=False)) == (
         "So", [], True)
+
+
+def test_tool_calls_stream_as_they_are_generated(tmp_path):
+    """partial_calls never takes back what it said (names fixed, arguments only growing) for every prefix of
+    either layout, ending where parse_calls does; CallStream turns token-by-token output into OpenAI's deltas
+    whose pieces add up to the parsed calls (one call with parallel_tool_calls false)."""
+    from deepinfer.runtime.tools import (CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, CallStream, ToolParser,
+                                         parse_calls, partial_calls)
+    v31 = (CALLS_BEGIN + CALL_BEGIN + "get_weather" + SEP + '{"city": "Oslo <3"}' + CALL_END +
+           CALL_BEGIN + "now" + SEP + " {} " + CALL_END + CALLS_END)
+    v3 = (CALLS_BEGIN + CALL_BEGIN + "function" + SEP + 'get_weather\n```json\n{"city": "Oslo"}\n```' + CALL_END +
+          CALLS_END)
+    for full in (v31, v3):
+        prev: list = []
+        for n in range(len(full) + 1):
+            now = partial_calls(full[:n])
+            assert len(now) >= len(prev)
+            assert all(a == c and d.startswith(b) for (a, b), (c, d) in zip(prev, now)), full[:n]
+            prev = now
+        assert prev == [(c["function"]["name"], c["function"]["arguments"]) for c in parse_calls(full)]
+    ours, _ = artifact_tokenizer(tmp_path)
+    parser = ToolParser(ours)
+    ids = ours.encode("Hi." + v31, add_special_tokens=False)
+    for single in (False, True):
+        stream, deltas = CallStream(parser, single), []
+        for n in range(1, len(ids) + 1):
+            deltas += stream.update(ids[:n], final=n == len(ids))
+        calls = parse_calls(ours.decode_raw(ids))[:1 if single else None]
+        assert [d["function"]["name"] for d in deltas if "id" in d] == [c["function"]["name"] for c in calls]
+        assert ["".join(d["function"]["arguments"] for d in deltas if d["index"] == k) for k in range(len(calls))] \
+            == [c["function"]["arguments"] for c in calls]
+        assert len(deltas) > len(calls) + 2           # arguments in pieces, not whole

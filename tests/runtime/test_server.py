@@ -379,9 +379,15 @@ def test_tool_calls_parsed_from_deepseek_markers_and_forced_by_tool_choice(serve
     chunks = list(client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=75,
                                                  temperature=0, stream=True, extra_body=force))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Sure."
+    # streamed as generated (OpenAI's shape): a call's id, type and name first, then its arguments in pieces
     deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
-    assert [d.index for d in deltas] == [0, 1] and chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert [d.function.arguments for d in deltas] == [t.function.arguments for t in c.message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    firsts = [d for d in deltas if d.id]
+    assert [d.index for d in firsts] == [0, 1] and all(d.type == "function" and d.function.name == "get_weather"
+                                                       and d.function.arguments == "" for d in firsts)
+    assert len(deltas) > 4 and all(d.id is None and d.function.name is None for d in deltas if d not in firsts)
+    args = ["".join(d.function.arguments or "" for d in deltas if d.index == k) for k in (0, 1)]
+    assert args == [t.function.arguments for t in c.message.tool_calls]
     # a stop string holds back the stream's tail; the markers release it whole
     chunks = list(client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=75,
                                                  temperature=0, stream=True, stop=["never-written"], extra_body=force))
