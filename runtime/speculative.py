@@ -19,6 +19,9 @@ from .sampler import sampling_probs
 from .sequence import Sequence
 
 
+INDEX_PER_CALL = 4096      # context positions NgramIndex.extend enters per call at most (see there)
+
+
 class NgramIndex:
     """A sequence's n-grams (n in [min_n, max_n]) -> where the tokens after their latest occurrence start, grown
     as the sequence grows: a lookup costs a few dict probes, not a scan of the context."""
@@ -26,17 +29,21 @@ class NgramIndex:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
+        self.indexed = 1           # n-grams ending before this position are entered
         self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
 
-    def extend(self, new: list[int]) -> None:
+    def extend(self, new: list[int], budget: int | None = None) -> None:
+        """Append tokens and enter the n-grams that now have a continuation, oldest first, at most `budget`
+        positions (a long prompt is indexed over several steps instead of stalling one: until then its latest
+        part is not matched, which costs drafts, never correctness)."""
         toks = self.tokens
-        for t in new:
-            # the n-grams ending at the old last token now have a continuation (t): enter them
-            e = len(toks)
+        toks.extend(new)
+        stop = len(toks) if budget is None else min(len(toks), self.indexed + budget)
+        for e in range(self.indexed, stop):       # the n-grams ending just before e continue with toks[e]
             for n, m in self.maps.items():
                 if e >= n:
                     m[tuple(toks[e - n:e])] = e
-            toks.append(t)
+        self.indexed = max(self.indexed, stop)
 
     def propose(self, k: int) -> list[int]:
         toks = self.tokens
@@ -74,10 +81,8 @@ class NgramProposer:
             index = seq.ngrams = NgramIndex(self.min_n, self.max_n)
         n = len(index.tokens)
         P = len(seq.prompt_ids)
-        if n < P:
-            index.extend(seq.prompt_ids[n:])
-            n = P
-        index.extend(seq.output_ids[n - P:])
+        new = (seq.prompt_ids[n:] + seq.output_ids) if n < P else seq.output_ids[n - P:]
+        index.extend(new, INDEX_PER_CALL)
         return index.propose(min(k, self.k)) if k > 0 else []
 
 

@@ -28,6 +28,37 @@ def test_the_proposer_continues_the_latest_longest_match():
         NgramProposer(k=2, min_n=3, max_n=2)
 
 
+def test_the_index_finds_what_a_scan_finds_and_catches_up_over_steps(monkeypatch):
+    import random
+
+    import deepinfer.runtime.speculative as spec
+
+    def scan(toks, k, lo, hi):       # the latest earlier occurrence of the longest suffix, by brute force
+        L = len(toks)
+        for n in range(min(hi, L - 1), lo - 1, -1):
+            for s in range(L - n - 1, -1, -1):
+                if toks[s:s + n] == toks[L - n:]:
+                    return toks[s + n:s + n + k]
+        return []
+    rng = random.Random(0)
+    for _ in range(300):
+        toks = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        assert NgramProposer(k=3, min_n=2, max_n=4).propose(toks, 3) == scan(toks, 3, 2, 4), toks
+    # a long prompt is indexed a few positions a step (here 5): never a wrong draft, the same ones once caught up
+    monkeypatch.setattr(spec, "INDEX_PER_CALL", 5)
+    p = NgramProposer(k=3, min_n=2, max_n=4)
+    seq = Sequence([rng.randrange(5) for _ in range(60)], SamplingParams())
+    for step in range(30):
+        d = p.propose_for(seq, 3)
+        toks = seq.prompt_ids + seq.output_ids
+        if seq.ngrams.indexed == len(toks):
+            assert d == scan(toks, 3, 2, 4)
+        else:
+            assert not d or any(toks[s:s + len(d)] == d for s in range(len(toks)))
+        seq.output_ids.append(rng.randrange(5))
+    assert seq.ngrams.indexed == len(seq.ngrams.tokens)
+
+
 def test_greedy_verification_keeps_the_argmax_prefix():
     rows = torch.full((4, 6), -5.0)
     for i, t in enumerate([3, 1, 4, 2]):
