@@ -113,11 +113,7 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
             if extra:
                 raise RequestError(f"/tokenize with 'messages' takes 'add_generation_prompt' and 'tools' too, not "
                                    f"{sorted(extra)}")
-            try:
-                creq = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-            except ValidationError as e:
-                first = e.errors()[0]
-                raise RequestError(f"field '{_field(first['loc'])}': {first['msg']}") from None
+            creq = _chat_request(body)
             if tok is None:
                 raise no_tokenizer("/tokenize")
             messages = [_message(i, m) for i, m in enumerate(creq.messages)]
@@ -164,11 +160,7 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(request: Request):
         body = await _json(request)
-        try:    # a field sent as null is a field not sent (the openai client sends nulls for unset arguments)
-            creq = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-        except ValidationError as e:
-            first = e.errors()[0]
-            raise RequestError(f"field '{_field(first['loc'])}': {first['msg']}") from None
+        creq = _chat_request(body)
         if tok is None:
             raise no_tokenizer("a chat request")
         messages = [_message(i, m) for i, m in enumerate(creq.messages)]
@@ -194,6 +186,13 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
                                 else creq.max_completion_tokens,
                                 logprobs=(creq.top_logprobs or 0) if creq.logprobs else None)
         return await _generate(request, req, [ids], [None], chat=True, tools=mode)
+
+    def _chat_request(body: dict) -> ChatCompletionRequest:
+        try:    # a field sent as null is a field not sent (the openai client sends nulls for unset arguments)
+            return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise RequestError(f"field '{_field(first['loc'])}': {first['msg']}") from None
 
     def _tool_mode(creq: ChatCompletionRequest) -> tuple[list[dict] | None, "ToolMode | None"]:
         """The tools the template sees, and how calls come out: parsed from DeepSeek's markers ("auto"), forced
