@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampler import sampling_probs
+from .sampler import _sample_row
 from .sequence import Sequence
 
 
@@ -103,8 +103,7 @@ def verify(rows: torch.Tensor, seq: Sequence, draft: list[int]) -> list[int]:
         picks = []
     out = []
     for i in range(n):
-        tok = picks[i] if p.greedy else int(torch.multinomial(
-            sampling_probs(cpu[i], p.temperature, p.top_k, p.top_p), 1, generator=seq.generator))
+        tok = picks[i] if p.greedy else _sample_row(cpu[i], p.temperature, p.top_k, p.top_p, seq.generator)
         out.append(tok)
         if i == len(draft) or tok != draft[i]:
             return out
