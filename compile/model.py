@@ -147,7 +147,10 @@ def linear(spec: RegionSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) for x [M, K], w [N, K], in the form the CPU runs fastest for few rows (M up to
     `spec.small_gemm_rows`; 0 elsewhere). MKL's sgemm with a small M and a transposed weight runs far below both
     its FLOP and its memory peak. One row: a multiply-sum that Inductor compiles into one vectorised reduction
-    streaming the weight (weights 0.5-64 MB, out of cache: 19-25 GB/s where MKL reads 13-18). 2..M rows:
+    streaming the weight (weights 0.5-64 MB, out of cache: 19-25 GB/s where MKL reads 13-18), and from
+    ROWS_LINEAR_MIN_WEIGHT elements up `deepinfer::rows_linear`, whose kernel prefetches the weight ahead of its
+    reads (a 2-core AMX Xeon VM: the `mid` head in bf16 1.17-1.42 against 1.78 ms, 24-29 against 19 GB/s;
+    fp32 2.27-2.46 against 2.61-3.01 ms, the AVX2 form included). 2..M rows:
     (w @ x.T).T, the few rows becoming the narrow side (1.3-3x faster at M = 4..64); from ROWS_LINEAR_MIN_WEIGHT
     weight elements up, `deepinfer::rows_linear`, the hand-written kernel where it runs (1.3-1.9x faster again).
     More rows (prefill chunks): F.linear, or from ROWS_LINEAR_MIN_WEIGHT up `rows_linear` too, which takes the
@@ -156,6 +159,8 @@ def linear(spec: RegionSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     decode at batch 1 26-29 -> 18-19 ms/token, at batch 16 the dense layer 11.3 -> 7.3 ms and the head
     19.2 -> 11.4 ms (before rows_linear)."""
     if x.shape[0] == 1 and spec.small_gemm_rows:
+        if w.numel() >= ROWS_LINEAR_MIN_WEIGHT:
+            return torch.ops.deepinfer.rows_linear(x, w)
         return (as_compute(w, x) * x).sum(-1)[None]
     if spec.bf16_products and x.shape[0] > 1 and w.dtype == torch.bfloat16:
         return bf16_linear(spec, x, w)

@@ -77,8 +77,17 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def rows_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    w = w.to(x.dtype)
-    return (w @ x.t()).t().contiguous() if x.shape[0] <= KERNEL_MAX_ROWS_PER_GROUP else torch.nn.functional.linear(x, w)
+    if x.shape[0] > KERNEL_MAX_ROWS_PER_GROUP:
+        return torch.nn.functional.linear(x, w.to(x.dtype))
+    if w.dtype == x.dtype:
+        return (w @ x.t()).t().contiguous()
+    # A narrower weight (bf16 weights, fp32 rows) widened a slice at a time, each slice still in cache when it is
+    # read: one widened copy of the whole weight would write and read it again at twice the bytes.
+    step = max(1, WIDEN_SLICE_ELEMENTS // w.shape[1])
+    return torch.cat([(w[i:i + step].to(x.dtype) @ x.t()).t() for i in range(0, w.shape[0], step)], dim=1)
+
+
+WIDEN_SLICE_ELEMENTS = 1 << 16          # 256 KB of fp32: within L2
 
 
 @rows_linear.register_fake

@@ -315,6 +315,52 @@ def test_bf16_products_ops():
                                rtol=2 ** -7, atol=1e-4)
 
 
+def _has_amx_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return _has_bf16_dot() and all(f in flags for f in ("amx_tile", "amx_bf16"))
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_bf16_products_amx_groups(amx):
+    """On a CPU with AMX-BF16, bf16 products of groups of 16+ rows go to oneDNN (the tile units) and smaller groups
+    of the same call to the dot-product kernel: groups of 0-40 rows, rows in no group zero, the fp32 sums rounded
+    to bf16 once either way (within one bf16 step of the float64 sums rounded), and the same within rounding with
+    the AMX path forbidden; rows_linear at 16 and 64 rows too. Where the CPU has no AMX, amx_form is False."""
+    _kernels_or_skip()
+    if not _has_amx_bf16():
+        assert not torch.ops.deepinfer_cpu.amx_form()
+        pytest.skip("this CPU has no AMX-BF16: bf16 products stay in the dot-product kernel (test_bf16_products_ops)")
+    assert torch.ops.deepinfer_cpu.amx_form(amx) == amx
+    try:
+        g = torch.Generator().manual_seed(17)
+        sizes = [0, 3, 16, 0, 40, 15, 17, 1]
+        M, K, N = sum(sizes) + 3, 200, 72
+        x = torch.randn(M, K, generator=g).bfloat16()
+        w = torch.randn(len(sizes), K, N, generator=g).bfloat16()           # [G, K, N]
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = torch.ops.deepinfer.grouped_mm(x, w, offs)
+        assert any(e.name == "deepinfer_cpu::amx_products" for e in prof.events()) == amx
+        assert out.dtype == torch.bfloat16
+        ref = torch.zeros(M, N, dtype=torch.float64)
+        start = 0
+        for e, n in enumerate(sizes):
+            ref[start:start + n] = x[start:start + n].double() @ w[e].double()
+            start += n
+        torch.testing.assert_close(out.double(), ref.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-4)
+        assert torch.count_nonzero(out[start:]) == 0
+        for rows in (16, 64):
+            xr, wr = torch.randn(rows, 300, generator=g).bfloat16(), torch.randn(50, 300, generator=g).bfloat16()
+            torch.testing.assert_close(torch.ops.deepinfer.rows_linear(xr, wr).double(),
+                                       (xr.double() @ wr.double().T).to(torch.bfloat16).double(),
+                                       rtol=2 ** -7, atol=1e-4)
+    finally:
+        torch.ops.deepinfer_cpu.amx_form(True)
+
+
 def test_grouped_mm_takes_the_kernel_for_few_rows(kernel_isa):
     """deepinfer::grouped_mm routes CPU fp32 groups of at most 64 rows on average to the kernel, larger ones to
     one GEMM per group (a group of a few rows of a big weight with the operands swapped) unless the kernel's
@@ -359,7 +405,7 @@ def test_bf16_weights_with_fp32_rows(kernel_isa):
         torch.testing.assert_close(ops.grouped_mm_torch(x, w, offs)[: rows - 1].double(), ref[: rows - 1],
                                    rtol=1e-5, atol=1e-4)
     lw = torch.randn(520, 509, generator=g).bfloat16()
-    for M in (2, 9, 100):
+    for M in (1, 2, 9, 100):                                     # the fallback widens lw in 5 slices
         x = torch.randn(M, 509, generator=g)
         ref = x.double() @ lw.double().T
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
