@@ -483,7 +483,8 @@ def head_region(spec: RegionSpec, hidden: torch.Tensor, logit_indices: torch.Ten
     """Final norm and LM head, only for the tokens whose logits are wanted. -> [L, V] fp32."""
     if spec.small_gemm_rows and spec.tokens == 1:
         # One token, one row: nothing to pick. On the CPU a gather here would be inlined into the one-row
-        # multiply-sum's inner loop, bounds check included (mid benchmark head: ~4.3-4.7 vs 3.2-3.6 ms).
+        # multiply-sum's inner loop, bounds check included (mid benchmark head: ~4.3-4.7 vs 3.2-3.6 ms, when its
+        # head still took the multiply-sum; a big head now takes rows_linear, a small one still the multiply-sum).
         x = hidden
     else:
         x = hidden[logit_indices]

@@ -64,7 +64,7 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
 
 @torch.library.custom_op("deepinfer::rows_linear", mutates_args=())
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) for rows x [M, K] and a big weight w [N, K]: what CPU graphs call for 2+ rows of a weight
+    """F.linear(x, w) for rows x [M, K] and a big weight w [N, K]: what CPU graphs call for any rows of a weight
     of at least ROWS_LINEAR_MIN_WEIGHT elements (`compile.model.linear`). The CPU kernel as one group for up to
     KERNEL_MAX_ROWS_PER_GROUP rows (1.3-1.9x faster than MKL's (w @ x.T).T at 4-16 rows on the `mid` model's
     projections, head and MLP; 1.25x on the demo model's head at 16 rows), and for more where its AVX-512 form
@@ -76,6 +76,9 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return rows_linear_torch(x, w)
 
 
+WIDEN_SLICE_ELEMENTS = 1 << 16          # rows_linear_torch's widening slice: 256 KB of fp32, within L2
+
+
 def rows_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.shape[0] > KERNEL_MAX_ROWS_PER_GROUP:
         return torch.nn.functional.linear(x, w.to(x.dtype))
@@ -85,9 +88,6 @@ def rows_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # read: one widened copy of the whole weight would write and read it again at twice the bytes.
     step = max(1, WIDEN_SLICE_ELEMENTS // w.shape[1])
     return torch.cat([(w[i:i + step].to(x.dtype) @ x.t()).t() for i in range(0, w.shape[0], step)], dim=1)
-
-
-WIDEN_SLICE_ELEMENTS = 1 << 16          # 256 KB of fp32: within L2
 
 
 @rows_linear.register_fake

@@ -535,7 +535,8 @@ at::Tensor amx_products(const at::Tensor& x, const at::Tensor& wt, const int64_t
 
 // bf16 products (--matmul-dtype bfloat16) of bf16 rows x [M, K] and weights wt [G, N, K], both contiguous -> the
 // groups' fp32 sums, rounded to bf16 once (rows in no group zero): the dot-product kernel, or without AVX512-BF16
-// the fp32 kernel on the widened rows (exact products of the same bf16 operands).
+// the fp32 kernel on the widened rows (exact products of the same bf16 operands); on AMX, amx_products when a group
+// has kAmxMinRows rows or more.
 at::Tensor bf16_products(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends) {
   const int64_t M = x.size(0), G = wt.size(0), N = wt.size(1);
   const int64_t last = G ? std::clamp<int64_t>(ends[G - 1], 0, M) : 0;

@@ -254,12 +254,16 @@ def test_kernel_tasks_balance_uneven_groups(kernel_isa):
     torch.testing.assert_close(one.double(), ref, rtol=1e-5, atol=1e-4)
 
 
-def _has_bf16_dot() -> bool:
+def _cpu_has(*features: str) -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return False
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_bf16"))
+    return all(f in flags for f in features)
+
+
+def _has_bf16_dot() -> bool:
+    return _cpu_has("avx512f", "avx512bw", "avx512dq", "avx512_bf16")
 
 
 @pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9), (1024, 20), (4100, 30)])
@@ -316,11 +320,7 @@ def test_bf16_products_ops():
 
 
 def _has_amx_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return _has_bf16_dot() and all(f in flags for f in ("amx_tile", "amx_bf16"))
+    return _cpu_has("avx512f", "avx512bw", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 @pytest.mark.parametrize("amx", [True, False])
