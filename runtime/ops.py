@@ -65,7 +65,9 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
 @torch.library.custom_op("deepinfer::rows_linear", mutates_args=())
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) for rows x [M, K] and a big weight w [N, K]: what CPU graphs call for any rows of a weight
-    of at least ROWS_LINEAR_MIN_WEIGHT elements (`compile.model.linear`). The CPU kernel as one group for up to
+    of at least ROWS_LINEAR_MIN_WEIGHT elements (`compile.model.linear`), and for every bf16 product of
+    --matmul-dtype bfloat16 (bf16 x and w: the C++ implementation picks the kernel, oneDNN's bf16 GEMM, or the fp32
+    path on the widened rows where the CPU has no bf16 dot products). The CPU kernel as one group for up to
     KERNEL_MAX_ROWS_PER_GROUP rows (1.3-1.9x faster than MKL's (w @ x.T).T at 4-16 rows on the `mid` model's
     projections, head and MLP; 1.25x on the demo model's head at 16 rows), and for more where its AVX-512 form
     runs (1.05-1.15x MKL at 256 rows); (w @ x.T).T for a few rows and F.linear for more elsewhere."""

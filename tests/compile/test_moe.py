@@ -319,6 +319,30 @@ def test_bf16_products_ops():
                                rtol=2 ** -7, atol=1e-4)
 
 
+def test_bf16_products_many_rows():
+    """bf16 products past the kernel's 64 rows a group (prefill chunks) through rows_linear and grouped_mm: the
+    fp32 sums of the bf16 operands rounded once; where the CPU has no bf16 dot products no bf16 GEMM runs (torch's
+    runs 3-4x under the fp32 rate there): the fp32 path takes the widened rows. Where it has them, oneDNN's bf16
+    GEMM does."""
+    _kernels_or_skip()
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(100, 300, generator=g).bfloat16(), torch.randn(50, 300, generator=g).bfloat16()
+    xs, ws = torch.randn(300, 96, generator=g).bfloat16(), torch.randn(3, 96, 40, generator=g).bfloat16()
+    offs = torch.tensor([90, 180, 299], dtype=torch.int32)                      # 90-100 rows a group, one in none
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = torch.ops.deepinfer.rows_linear(x, w)
+        outs = torch.ops.deepinfer.grouped_mm(xs, ws, offs)
+    assert out.dtype == outs.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), (x.double() @ w.double().T).to(torch.bfloat16).double(),
+                               rtol=2 ** -7, atol=1e-4)
+    ref = torch.cat([xs[a:b].double() @ ws[e].double() for e, (a, b) in enumerate(zip([0, 90, 180], [90, 180, 299]))])
+    torch.testing.assert_close(outs[:299].double(), ref.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-4)
+    assert torch.count_nonzero(outs[299:]) == 0
+    bf16_gemms = [e.name for e in prof.events() if e.name in ("aten::mm", "aten::linear", "aten::addmm", "aten::mm_out")
+                  and "c10::BFloat16" in list(getattr(e, "input_dtypes", None) or ["c10::BFloat16"])[:1]]
+    assert bool(bf16_gemms) == _has_bf16_dot(), bf16_gemms
+
+
 def _has_amx_bf16() -> bool:
     return _cpu_has("avx512f", "avx512bw", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16")
 
