@@ -210,8 +210,8 @@ def main() -> None:
     # whole run (this machine's speed drifts by tens of percent: one measurement at the start once put the
     # "roofline" below what the engines had just done).
     peaks = {"bw": 0.0, "flops": 0.0, "flops16": 0.0}
-    from deepinfer.compile.driver import _cpu_bf16_dot
-    bf16_dot = _cpu_bf16_dot()
+    from deepinfer.compile.driver import cpu_has_bf16_dot
+    bf16_dot = cpu_has_bf16_dot()
 
     def measure_peaks() -> None:
         peaks["bw"] = max(peaks["bw"], copy_bandwidth(cpu))

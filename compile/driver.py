@@ -374,7 +374,7 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _cpu_bf16_dot() -> bool:
+def cpu_has_bf16_dot() -> bool:
     """Whether this CPU has bf16 dot-product instructions (what --matmul-dtype bfloat16 is fast with)."""
     try:
         return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -391,7 +391,7 @@ def _describe(o: CompileOptions, m: ModelConfig, cc, n_graphs: int) -> str:
              + (f" (weight matrices stored {cc.weight_dtype})" if cc.weight_dtype else "")
              + (f", {cc.matmul_dtype} products (multi-row)" if cc.matmul_dtype else "")
              + ("; this CPU has no bf16 dot products (AVX512-BF16/AMX): they run as float32 FMAs of the rounded "
-                "operands, no faster than float32 math" if cc.matmul_dtype == "bfloat16" and not _cpu_bf16_dot()
+                "operands, no faster than float32 math" if cc.matmul_dtype == "bfloat16" and not cpu_has_bf16_dot()
                 else ""),
              f"  layout           cp={cc.cp} ep={cc.ep} world={cc.world}",
              f"  decode buckets   {', '.join(map(str, cc.decode_buckets))}",

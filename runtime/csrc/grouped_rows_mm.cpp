@@ -610,7 +610,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x_, const at::Tensor& w, const at::T
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
     if (few) return bf16_products(x, w.transpose(1, 2).contiguous(), ends);
     // Without bf16 dot products torch's bf16 GEMMs run 3-4x under the fp32 path's rate (a 2-core AVX2 Zen 3 VM:
-    // a `mid-bf16` prefill chunk 1.02 s against 0.31 s): the fp32 path on the widened rows instead (exact products
+    // a `mid-bf16` prefill chunk 1.06 s against 0.34 s): the fp32 path on the widened rows instead (exact products
     // of the same operands, fp32 sums), rounded to bf16 once.
     if (!cpu_has_bf16_dot()) return grouped_mm_cpu(x.to(at::kFloat), w, offs_).to(at::kBFloat16);
   }

@@ -338,8 +338,10 @@ def test_bf16_products_many_rows():
     ref = torch.cat([xs[a:b].double() @ ws[e].double() for e, (a, b) in enumerate(zip([0, 90, 180], [90, 180, 299]))])
     torch.testing.assert_close(outs[:299].double(), ref.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-4)
     assert torch.count_nonzero(outs[299:]) == 0
-    bf16_gemms = [e.name for e in prof.events() if e.name in ("aten::mm", "aten::linear", "aten::addmm", "aten::mm_out")
-                  and "c10::BFloat16" in list(getattr(e, "input_dtypes", None) or ["c10::BFloat16"])[:1]]
+    gemms = [e for e in prof.events() if e.name in ("aten::mm", "aten::linear", "aten::addmm")]
+    if gemms and not hasattr(gemms[0], "input_dtypes"):
+        pytest.skip("this torch's profiler records no input dtypes: which GEMM ran is not visible")
+    bf16_gemms = [e.name for e in gemms if list(e.input_dtypes)[:1] == ["c10::BFloat16"]]
     assert bool(bf16_gemms) == _has_bf16_dot(), bf16_gemms
 
 
