@@ -376,10 +376,7 @@ def _gib(n: int) -> str:
 
 def cpu_has_bf16_dot() -> bool:
     """Whether this CPU has bf16 dot-product instructions (what --matmul-dtype bfloat16 is fast with)."""
-    try:
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    except AttributeError:          # a torch without the probes: assume it has them (the flag is the user's choice)
-        return True
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def _describe(o: CompileOptions, m: ModelConfig, cc, n_graphs: int) -> str:
