@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -44,8 +45,11 @@ constexpr int64_t kBlockN = 48;   // weight rows per parallel task
 // into the rows of the tiles that follow. The hardware prefetchers alone kept the expert GEMM (`mid` model, 64 rows in 16
 // groups, weights out of cache) at 14-17 GB/s; with this, in the same runs, 17-21 GB/s (3-16K floats ahead all
 // alike; 1K or less no gain). Prefetching along each row instead, wrapping into the same row of the next tile,
-// was no better (0.93-1.10x at K = 512, 1024, 2048). Not for one-row groups, whose loop is load-bound already:
-// there it cost 5-8% (AVX2; the AVX-512 form below prefetches them, measured faster).
+// was no better (0.93-1.10x at K = 512, 1024, 2048). One-row groups (decode at batch 1) of fp32 weights go without:
+// their loop is load-bound already, and there it cost 5-15% (AVX2; a 2-core Zen 3 VM again in 2026-12: 0.85-0.95x
+// the speed at 1-67 MB). Of bf16 weights they prefetch: on that VM 1.13-1.27x faster (the `mid` model's one-row
+// linears, 0.6-34 MB, 8.5-12.7 -> 10.8-15.1 GB/s, where torch's sum() of the same bf16 weights reads 14-16). The
+// AVX-512 form below prefetches them all, measured faster.
 // Into L2 (T1), not L1: on a 2-core Zen 4 VM, weights out of cache (ten layers' experts in turn), the `mid` experts
 // at 64 rows over 16 groups ran 1.3x (gate-up, K = 1024) and 1.5-1.8x (down, K = 512) faster, fp32 and bf16 rows
 // alike, and the 16384 x 1024 head at 2-16 rows 1.0-1.4x (three interleaved runs each): an L1 prefetch holds
@@ -114,7 +118,10 @@ inline void weight_rows(const W* w, const float* x, int64_t rows, int64_t K, flo
   switch (rows - r) {
     case 3: first ? tile<NW, 3, true>(w, x, K, out, ldo) : tile<NW, 3, false>(w, x + r * K, K, out + r * ldo, ldo); break;
     case 2: first ? tile<NW, 2, true>(w, x, K, out, ldo) : tile<NW, 2, false>(w, x + r * K, K, out + r * ldo, ldo); break;
-    case 1: tile<NW, 1, false>(w, x + r * K, K, out + r * ldo, ldo); break;   // load-bound: no room to prefetch
+    case 1:   // fp32 weights: load-bound, no room to prefetch; bf16 weights: prefetched on the first pass
+      if (first && std::is_same_v<W, at::BFloat16>) tile<NW, 1, true>(w, x, K, out, ldo);
+      else tile<NW, 1, false>(w, x + r * K, K, out + r * ldo, ldo);
+      break;
     default: break;
   }
 }
