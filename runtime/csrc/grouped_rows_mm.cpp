@@ -46,9 +46,10 @@ constexpr int64_t kBlockN = 48;   // weight rows per parallel task
 // groups, weights out of cache) at 14-17 GB/s; with this, in the same runs, 17-21 GB/s (3-16K floats ahead all
 // alike; 1K or less no gain). Prefetching along each row instead, wrapping into the same row of the next tile,
 // was no better (0.93-1.10x at K = 512, 1024, 2048). One-row groups (decode at batch 1) of fp32 weights go without:
-// their loop is load-bound already, and there it cost 5-15% (AVX2; a 2-core Zen 3 VM again in 2026-12: 0.85-0.95x
-// the speed at 1-67 MB). Of bf16 weights they prefetch: on that VM 1.13-1.27x faster (the `mid` model's one-row
-// linears, 0.6-34 MB, 8.5-12.7 -> 10.8-15.1 GB/s, where torch's sum() of the same bf16 weights reads 14-16). The
+// their loop is load-bound already, and there it cost 5-15% (AVX2; a 2-core Zen 3 VM again in 2026-12: 0.84-0.98x
+// the speed at 1.2-67 MB, 1.1x at one 2 MB weight). Of bf16 weights they prefetch: on that VM 1.14-1.25x faster (the
+// `mid` model's one-row linears, 0.6-34 MB, 8.5-12.9 -> 10.8-15.1 GB/s, where torch's sum() of the same bf16
+// weights reads 14-16). The
 // AVX-512 form below prefetches them all, measured faster.
 // Into L2 (T1), not L1: on a 2-core Zen 4 VM, weights out of cache (ten layers' experts in turn), the `mid` experts
 // at 64 rows over 16 groups ran 1.3x (gate-up, K = 1024) and 1.5-1.8x (down, K = 512) faster, fp32 and bf16 rows
