@@ -49,8 +49,7 @@ constexpr int64_t kBlockN = 48;   // weight rows per parallel task
 // their loop is load-bound already, and there it cost 5-15% (AVX2; a 2-core Zen 3 VM again in 2026-12: 0.84-0.98x
 // the speed at 1.2-67 MB, 1.1x at one 2 MB weight). Of bf16 weights they prefetch: on that VM 1.14-1.25x faster (the
 // `mid` model's one-row linears, 0.6-34 MB, 8.5-12.9 -> 10.8-15.1 GB/s, where torch's sum() of the same bf16
-// weights reads 14-16). The
-// AVX-512 form below prefetches them all, measured faster.
+// weights reads 14-16). The AVX-512 form below prefetches them all, measured faster.
 // Into L2 (T1), not L1: on a 2-core Zen 4 VM, weights out of cache (ten layers' experts in turn), the `mid` experts
 // at 64 rows over 16 groups ran 1.3x (gate-up, K = 1024) and 1.5-1.8x (down, K = 512) faster, fp32 and bf16 rows
 // alike, and the 16384 x 1024 head at 2-16 rows 1.0-1.4x (three interleaved runs each): an L1 prefetch holds
@@ -120,8 +119,8 @@ inline void weight_rows(const W* w, const float* x, int64_t rows, int64_t K, flo
     case 3: first ? tile<NW, 3, true>(w, x, K, out, ldo) : tile<NW, 3, false>(w, x + r * K, K, out + r * ldo, ldo); break;
     case 2: first ? tile<NW, 2, true>(w, x, K, out, ldo) : tile<NW, 2, false>(w, x + r * K, K, out + r * ldo, ldo); break;
     case 1:   // fp32 weights: load-bound, no room to prefetch; bf16 weights: prefetched on the first pass
-      if (first && std::is_same_v<W, at::BFloat16>) tile<NW, 1, true>(w, x, K, out, ldo);
-      else tile<NW, 1, false>(w, x + r * K, K, out + r * ldo, ldo);
+      first && std::is_same_v<W, at::BFloat16> ? tile<NW, 1, true>(w, x, K, out, ldo)
+                                               : tile<NW, 1, false>(w, x + r * K, K, out + r * ldo, ldo);
       break;
     default: break;
   }
