@@ -204,12 +204,22 @@ def kernel_isa(request):
     torch.ops.deepinfer_cpu.avx512_form(True)
 
 
-@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9), (1024, 20), (4100, 30)])
+@pytest.fixture(params=[True, False], ids=["panels", "tiles"])
+def panel_form(request):
+    """The AVX2 kernel's groups of 12+ rows: transposed panels (the default) or the dot-product tiles."""
+    _kernels_or_skip()
+    torch.ops.deepinfer_cpu.panel_form(request.param)
+    yield request.param
+    torch.ops.deepinfer_cpu.panel_form(True)
+
+
+@pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9), (1024, 20), (4100, 30), (512, 100)])
 @pytest.mark.parametrize("offs_dtype,wdtype", [(torch.int32, torch.float32), (torch.int64, torch.float32),
                                                (torch.int32, torch.bfloat16)])
-def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype, kernel_isa):
-    """The CPU few-rows kernel against per-group matmuls in float64, in both its forms: groups of 0-40 rows
+def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype, kernel_isa, panel_form):
+    """The CPU few-rows kernel against per-group matmuls in float64, in all its forms: groups of 0-40 rows
     (register tiles of 4 rows x 3 weight rows (AVX2) and 6 rows x 4 weight rows (AVX-512), with every remainder;
+    on AVX2 groups of 12+ rows with K a multiple of 8 in 16-weight-row panels, N = 20 and 100 leaving part-panels;
     at K = 4100 the AVX-512 form's L2 blocks: 12 weight rows a task, 18 rows a block), K not a multiple of the
     vector width, rows 4 KB long (K = 1024: the AVX-512 form reads them from a copy with a longer stride), rows
     in no group; fp32 weights and bf16 ones (widened exactly: the reference is the same bf16 values in float64)."""
@@ -229,7 +239,7 @@ def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype, kernel_isa):
     assert torch.count_nonzero(out[start:]) == 0
 
 
-def test_kernel_tasks_balance_uneven_groups(kernel_isa):
+def test_kernel_tasks_balance_uneven_groups(kernel_isa, panel_form):
     """The threads split the kernel's tasks by work, not by count: groups of very different sizes (one holding
     most rows, empty ones between) give the same sums with one thread and with several."""
     g = torch.Generator().manual_seed(11)
