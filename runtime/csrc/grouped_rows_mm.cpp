@@ -400,19 +400,21 @@ DEEPINFER_AVX512_TARGET inline void hsums512(const __m512* acc, float* sums) {
   }
 }
 
-// The first pass of a tile of 3-4 rows over fp32 weights (decode steps' experts at about 4 rows a group) reads each
-// row's vector once per FMA, as the FMA's memory operand, instead of once into a register shared by its four FMAs.
-// More loads, yet on a 2-core Zen 4 VM (weights out of cache, in huge pages, interleaved with torch's sum() of the
-// same weights) the `mid` experts at 4 rows over 16 groups ran 1.2-1.33x faster (gate-up 37 -> 50 GB/s where sum()
-// read 62; down 39 -> 48), 3 rows 1.05-1.07x; 1-2 rows, 5+ rows and later passes 0.98-1.0x, so they keep the
-// register, as do bf16 weights (widened in registers: compute-bound at 4 rows, 0.84-0.87x folded). The bf16
-// dot-product tile does the same (4 rows over 16 groups 1.16-1.19x). GCC's znver3 tuning makes this choice itself
-// for such tiles (and its other choices cost the compute-bound tiles 11-25%); the empty asm makes it under the
-// generic tuning the kernels are built with. Same instructions on the same operands: the sums are bit for bit.
+// The first pass of a tile of 3-5 rows over fp32 weights (decode steps' experts, a few rows a group) reads each row's
+// vector once per FMA, as the FMA's memory operand, instead of once into a register shared by its four FMAs, and
+// a group of 6-11 rows makes its pass from memory such a 5-row tile. More loads, yet on a 2-core Zen 4 VM (weights
+// out of cache in huge pages as the runtime's arena, rounds interleaved with torch's sum() of the same weights) the
+// `mid` experts over 16 groups ran 1.07-1.33x faster at 4 rows a group (gate-up 33-37 -> 41-50 GB/s where sum() read
+// 51-62), 1.06-1.31x at 5, 1.02-1.2x at 6-10, 1.01-1.07x at 3; 1-2 and 12+ rows, later passes and every
+// compute-bound shape 0.99-1.01x, so those keep the register (a folded 6-row pass: 0.6-0.8x), as do bf16 weights
+// (widened in registers: compute-bound at 4 rows, 0.84-0.87x folded). The bf16 dot-product tile folds 3-5 rows too
+// (1.05-1.23x at 4 and 5 rows; its 6-11-row groups gained nothing from a 5-row lead). GCC's znver3 tuning makes this
+// choice itself for such tiles (its other choices cost the compute-bound tiles 11-25%); the empty asm makes it under
+// the generic tuning the kernels are built with. Same instructions on the same operands: the sums are bit for bit.
 template <typename W, int R>
-constexpr bool kFoldRows = std::is_same_v<W, float> && R >= 3 && R <= 4;
+constexpr bool kFoldRows = std::is_same_v<W, float> && R >= 3 && R <= 5;
 template <int R>
-constexpr bool kFoldRowsBf16 = R >= 3 && R <= 4;
+constexpr bool kFoldRowsBf16 = R >= 3 && R <= 5;
 
 template <int NW, int R, bool PF, typename W>
 DEEPINFER_AVX512_TARGET inline void tile512(const W* w, const float* x, int64_t ldx, int64_t K, float* out, int64_t ldo) {
@@ -471,8 +473,14 @@ DEEPINFER_AVX512_TARGET inline void weight_rows512(const W* w, const float* x, i
                                                    int64_t ldo) {
   int64_t r = 0;
   if (rows >= kR5) {
-    tile512<NW, kR5, true>(w, x, ldx, K, out, ldo);
-    for (r = kR5; r + kR5 <= rows; r += kR5) tile512<NW, kR5, false>(w, x + r * ldx, ldx, K, out + r * ldo, ldo);
+    if (kFoldRows<W, 5> && rows < 2 * kR5) {    // 6-11 rows: the pass from memory takes 5 of them, folded
+      tile512<NW, 5, true>(w, x, ldx, K, out, ldo);
+      r = 5;
+    } else {
+      tile512<NW, kR5, true>(w, x, ldx, K, out, ldo);
+      r = kR5;
+    }
+    for (; r + kR5 <= rows; r += kR5) tile512<NW, kR5, false>(w, x + r * ldx, ldx, K, out + r * ldo, ldo);
   }
   const bool first = r == 0;
   const float* xr = x + r * ldx;

@@ -302,6 +302,32 @@ def test_bf16_dot_kernel_matches(K, N):
     assert torch.count_nonzero(out[start:]) == 0
 
 
+@pytest.mark.parametrize("form", ["fp32", "bf16 weights", "bf16 dot products"])
+def test_kernel_sums_do_not_depend_on_tiling(form):
+    """The AVX-512 forms sum each output in one order whatever tile computes it: a row alone in its group gives
+    bit for bit what it gives among 2-16 rows, whether its tile makes the pass from memory (3-5 rows read as the
+    instructions' memory operands; the 5-row lead of 6-11-row groups) or a later one from cache."""
+    _kernels_or_skip()
+    if form == "bf16 dot products":
+        if not _has_bf16_dot():
+            pytest.skip("this CPU has no AVX512-BF16: the dot-product kernel does not run here")
+    elif not torch.ops.deepinfer_cpu.avx512_form():
+        pytest.skip("this CPU has no AVX-512: the fp32 kernel's AVX-512 form does not run here")
+    g = torch.Generator().manual_seed(3)
+    K, N, sizes = 1040, 12, list(range(1, 17))                   # K: 65 vectors of 16 and a 16-lane tail of bf16
+    M = sum(sizes)
+    x = torch.randn(M, K, generator=g)
+    wt = torch.randn(len(sizes), N, K, generator=g)
+    if form != "fp32":
+        wt = wt.bfloat16()
+    if form == "bf16 dot products":
+        x = x.bfloat16()
+    grouped = torch.ops.deepinfer_cpu.grouped_rows_mm(x, wt, torch.tensor(sizes).cumsum(0))
+    each = wt.repeat_interleave(torch.tensor(sizes), dim=0)      # every row its own group, of its group's weight
+    alone = torch.ops.deepinfer_cpu.grouped_rows_mm(x, each, torch.arange(1, M + 1))
+    assert torch.equal(grouped, alone)
+
+
 def test_bf16_products_ops():
     """--matmul-dtype bfloat16's operands: bf16 rows and weights through deepinfer::grouped_mm and rows_linear
     take the kernel for few rows (the dot-product kernel, or without AVX512-BF16 the fp32 kernel on the widened
