@@ -411,10 +411,8 @@ DEEPINFER_AVX512_TARGET inline void hsums512(const __m512* acc, float* sums) {
 // (1.05-1.23x at 4 and 5 rows; its 6-11-row groups gained nothing from a 5-row lead). GCC's znver3 tuning makes this
 // choice itself for such tiles (its other choices cost the compute-bound tiles 11-25%); the empty asm makes it under
 // the generic tuning the kernels are built with. Same instructions on the same operands: the sums are bit for bit.
-template <typename W, int R>
-constexpr bool kFoldRows = std::is_same_v<W, float> && R >= 3 && R <= 5;
 template <int R>
-constexpr bool kFoldRowsBf16 = R >= 3 && R <= 5;
+constexpr bool kFoldRows = R >= 3 && R <= 5;
 
 template <int NW, int R, bool PF, typename W>
 DEEPINFER_AVX512_TARGET inline void tile512(const W* w, const float* x, int64_t ldx, int64_t K, float* out, int64_t ldo) {
@@ -431,7 +429,7 @@ DEEPINFER_AVX512_TARGET inline void tile512(const W* w, const float* x, int64_t 
 #pragma GCC unroll 4
       for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kAhead), _MM_HINT_T1);
     }
-    if constexpr (PF && kFoldRows<W, R>) {
+    if constexpr (PF && std::is_same_v<W, float> && kFoldRows<R>) {
 #pragma GCC unroll 4
       for (int j = 0; j < R; ++j) {
         const float* xj = x + j * ldx + k;
@@ -473,7 +471,7 @@ DEEPINFER_AVX512_TARGET inline void weight_rows512(const W* w, const float* x, i
                                                    int64_t ldo) {
   int64_t r = 0;
   if (rows >= kR5) {
-    if (kFoldRows<W, 5> && rows < 2 * kR5) {    // 6-11 rows: the pass from memory takes 5 of them, folded
+    if (std::is_same_v<W, float> && rows < 2 * kR5) {   // 6-11 rows: the pass from memory takes 5 of them, folded
       tile512<NW, 5, true>(w, x, ldx, K, out, ldo);
       r = 5;
     } else {
@@ -579,7 +577,7 @@ DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x
 #pragma GCC unroll 4
       for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kAhead), _MM_HINT_T1);
     }
-    if constexpr (PF && kFoldRowsBf16<R>) {
+    if constexpr (PF && kFoldRows<R>) {
 #pragma GCC unroll 4
       for (int j = 0; j < R; ++j) {
         const uint16_t* xj = x + j * K + k;
