@@ -342,16 +342,16 @@ void grouped_rows_typed(const at::Tensor& x, const at::Tensor& wt, const int64_t
 
 // ---- the same kernel with AVX-512 (fp32 math): 16-lane vectors, tiles of 4 weight rows x 6 rows ----
 //
-// Taken where the CPU has AVX-512 (compiled function by function with a target attribute, like the bf16 kernel
-// below, so the library still loads on AVX2-only CPUs; DEEPINFER_CPU_AVX512=0 or deepinfer_cpu::avx512_form
-// keep the AVX2 kernel). 32 registers hold twice the AVX2 tile's accumulators for the same loads, and every
-// first pass over a weight prefetches it, one-row groups included. On a 2-core Zen 4 VM, against the AVX2 kernel
-// (both with the work-balanced tasks of for_each_task): `mid` experts at 1024 rows over 16 groups (a 256-token
-// prefill chunk, compute-bound) 140-151 -> 164-176 GFLOP/s (K = 1024) and 137-167 -> 161-176 (K = 512), where
-// one 1024 x 1024 x 1024 MKL sgemm runs 182-195; bf16 weights at 4-64 rows over 16 groups (decode, weights out
-// of cache) 1.3-1.9x; fp32 weights at 4 rows 1.1-1.2x, 16-64 rows alike; the 16384 x 1024 head at one row
-// 1.15x (fp32) and 1.5-1.9x (bf16), at 16 rows 1.15-1.2x. The one-row prefetch alone made bf16 weights at 4 rows
-// over 16 groups 0.40 -> 0.26 ms (31 GB/s), where the AVX2 kernel's measurements (T0 prefetch) had it cost 5-8%.
+// Taken where the CPU has AVX-512 (compiled function by function with a target attribute, like the bf16 kernel below,
+// so the library still loads on AVX2-only CPUs; DEEPINFER_CPU_AVX512=0 or deepinfer_cpu::avx512_form keep the AVX2
+// kernel). 32 registers hold twice the AVX2 tile's accumulators for the same loads, and every first pass over a weight
+// prefetches it (one- and two-row passes only over bf16 weights: kPrefetchFewRows). On a 2-core Zen 4 VM, against the
+// AVX2 kernel (both with the work-balanced tasks of for_each_task): `mid` experts at 1024 rows over 16 groups (a
+// 256-token prefill chunk, compute-bound) 140-151 -> 164-176 GFLOP/s (K = 1024) and 137-167 -> 161-176 (K = 512), where
+// one 1024 x 1024 x 1024 MKL sgemm runs 182-195; bf16 weights at 4-64 rows over 16 groups (decode, weights out of
+// cache) 1.3-1.9x; fp32 weights at 4 rows 1.1-1.2x, 16-64 rows alike; the 16384 x 1024 head at one row 1.15x (fp32) and
+// 1.5-1.9x (bf16), at 16 rows 1.15-1.2x. The one-row prefetch alone made bf16 weights at 4 rows over 16 groups 0.40 ->
+// 0.26 ms (31 GB/s), where the AVX2 kernel's measurements (T0 prefetch) had it cost 5-8%.
 #define DEEPINFER_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
 std::atomic<bool> g_allow_avx512{[] {
@@ -401,18 +401,31 @@ DEEPINFER_AVX512_TARGET inline void hsums512(const __m512* acc, float* sums) {
 }
 
 // The first pass of a tile of 3-5 rows over fp32 weights (decode steps' experts, a few rows a group) reads each row's
-// vector once per FMA, as the FMA's memory operand, instead of once into a register shared by its four FMAs, and
-// a group of 6-11 rows makes its pass from memory such a 5-row tile. More loads, yet on a 2-core Zen 4 VM (weights
-// out of cache in huge pages as the runtime's arena, rounds interleaved with torch's sum() of the same weights) the
-// `mid` experts over 16 groups ran 1.07-1.33x faster at 4 rows a group (gate-up 33-37 -> 41-50 GB/s where sum() read
-// 51-62), 1.06-1.31x at 5, 1.02-1.2x at 6-10, 1.01-1.07x at 3; 1-2 and 12+ rows, later passes and every
-// compute-bound shape 0.99-1.01x, so those keep the register (a folded 6-row pass: 0.6-0.8x), as do bf16 weights
-// (widened in registers: compute-bound at 4 rows, 0.84-0.87x folded). The bf16 dot-product tile folds 3-5 rows too
-// (1.05-1.23x at 4 and 5 rows; its 6-11-row groups gained nothing from a 5-row lead). GCC's znver3 tuning makes this
-// choice itself for such tiles (its other choices cost the compute-bound tiles 11-25%); the empty asm makes it under
-// the generic tuning the kernels are built with. Same instructions on the same operands: the sums are bit for bit.
+// vector once per FMA, as the FMA's memory operand, instead of once into a register shared by its four FMAs, and a
+// group of 6-11 rows makes its pass from memory such a 5-row tile. More loads, yet on a 2-core Zen 4 VM (weights out of
+// cache in huge pages as the runtime's arena, rounds interleaved with torch's sum() of the same weights) the `mid`
+// experts over 16 groups ran 1.07-1.33x faster at 4 rows a group (gate-up 33-37 -> 41-50 GB/s where sum() read 51-62),
+// 1.06-1.31x at 5, 1.02-1.2x at 6-10, 1.01-1.07x at 3; 1-2 and 12+ rows, later passes and every compute-bound shape
+// 0.99-1.01x, so those keep the register (a folded 6-row pass: 0.6-0.8x), as do bf16 weights (widened in registers:
+// compute-bound at 4 rows, 0.84-0.87x folded). The bf16 dot-product tile folds 3-5 rows too (1.05-1.23x at 4 and 5
+// rows; its 6-11-row groups gained nothing from a 5-row lead), on every pass of 3-5 rows
+// (tile_bf16). GCC's znver3 tuning makes this choice itself for such tiles (its other choices cost the compute-bound
+// tiles 11-25%); the empty asm makes it under the generic tuning the kernels are built with. Same instructions on the
+// same operands: the sums are bit for bit.
 template <int R>
 constexpr bool kFoldRows = R >= 3 && R <= 5;
+
+// One- and two-row tiles prefetch on their pass from memory only where the weights are widened in registers (bf16
+// weights, fp32 rows): there the loop has work between its loads. Over fp32 weights, and in the bf16 dot-product tile,
+// the loop is little but loads, which the hardware prefetchers keep fed, and the software prefetch only competes
+// with them for the load queue. On a 2-core Zen 5 VM (family 26: AVX-512 with full-width units), weights out of
+// cache, rounds interleaved with a plain AVX-512 read of the same weights: without it, fp32 weights at one row
+// 1.17-1.23x faster (the 16384 x 1024 head 0.69 -> 0.85 of the plain read's rate, 16 one-row groups of 1024 x 1024
+// 0.86 -> 1.01), bf16 dot products at one row 1.14-1.22x (0.80-0.88 -> 0.91-1.05), at two rows 0.99-1.09x; widened
+// bf16 weights at one row 0.96-1.02x (so they keep it: on Zen 4 it made them 1.5x faster). The AVX2 kernel's
+// one-row fp32 tiles went without it already (Zen 3: it cost them 5-15%).
+template <typename W>
+constexpr bool kPrefetchFewRows = !std::is_same_v<W, float>;
 
 template <int NW, int R, bool PF, typename W>
 DEEPINFER_AVX512_TARGET inline void tile512(const W* w, const float* x, int64_t ldx, int64_t K, float* out, int64_t ldo) {
@@ -487,8 +500,12 @@ DEEPINFER_AVX512_TARGET inline void weight_rows512(const W* w, const float* x, i
     case 5: first ? tile512<NW, 5, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 5, false>(w, xr, ldx, K, o, ldo); break;
     case 4: first ? tile512<NW, 4, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 4, false>(w, xr, ldx, K, o, ldo); break;
     case 3: first ? tile512<NW, 3, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 3, false>(w, xr, ldx, K, o, ldo); break;
-    case 2: first ? tile512<NW, 2, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 2, false>(w, xr, ldx, K, o, ldo); break;
-    case 1: first ? tile512<NW, 1, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 1, false>(w, xr, ldx, K, o, ldo); break;
+    case 2:
+      first && kPrefetchFewRows<W> ? tile512<NW, 2, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 2, false>(w, xr, ldx, K, o, ldo);
+      break;
+    case 1:
+      first && kPrefetchFewRows<W> ? tile512<NW, 1, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 1, false>(w, xr, ldx, K, o, ldo);
+      break;
     default: break;
   }
 }
@@ -559,10 +576,17 @@ bool cpu_has_bf16_dot() {
 constexpr int kNWb = 4;   // weight rows per register tile (4 x 6 accumulators + 4 + 1 of 32 zmm, as the AVX-512 form)
 constexpr int kRb = 6;    // rows per register tile
 
-template <int NW, int R, bool PF>
+// Every pass of 3+ rows over the weights prefetches kPrefetchBytes ahead of each weight row it reads, later passes
+// (in L1) as well as the first (from memory); passes of 1-2 rows never (tile512's kPrefetchFewRows: the loop is
+// little but loads). On a 2-core Zen 5 VM (weights out of cache, interleaved with a plain read of the same weights),
+// prefetching in the later passes too made 16-row linears 1.07-1.27x faster (the 16384 x 1024 head 483-516 -> 551-655
+// GFLOP/s, 1024 x 1024 1.07-1.16x), every other shape 0.97-1.05x: the first pass alone issues its prefetches in a burst
+// while it waits on memory, and the passes after it, compute-bound, then leave the memory bus idle.
+template <int NW, int R>
 DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* out,
                                             int64_t ldo) {
   constexpr int64_t kAhead = kPrefetchBytes / 2;
+  constexpr bool PF = R > 2;
   __m512 acc[NW][R];
 #pragma GCC unroll 4
   for (int i = 0; i < NW; ++i)
@@ -573,7 +597,7 @@ DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x
     __m512i wv[NW];
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) wv[i] = _mm512_loadu_si512(w + i * K + k);
-    if (PF) {
+    if constexpr (PF) {
 #pragma GCC unroll 4
       for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kAhead), _MM_HINT_T1);
     }
@@ -618,19 +642,15 @@ template <int NW>
 DEEPINFER_BF16_TARGET inline void weight_rows_bf16(const uint16_t* w, const uint16_t* x, int64_t rows, int64_t K,
                                                    float* out, int64_t ldo) {
   int64_t r = 0;
-  if (rows >= kRb) {
-    tile_bf16<NW, kRb, true>(w, x, K, out, ldo);
-    for (r = kRb; r + kRb <= rows; r += kRb) tile_bf16<NW, kRb, false>(w, x + r * K, K, out + r * ldo, ldo);
-  }
-  const bool first = r == 0;
+  for (; r + kRb <= rows; r += kRb) tile_bf16<NW, kRb>(w, x + r * K, K, out + r * ldo, ldo);
   const uint16_t* xr = x + r * K;
   float* o = out + r * ldo;
   switch (rows - r) {
-    case 5: first ? tile_bf16<NW, 5, true>(w, xr, K, o, ldo) : tile_bf16<NW, 5, false>(w, xr, K, o, ldo); break;
-    case 4: first ? tile_bf16<NW, 4, true>(w, xr, K, o, ldo) : tile_bf16<NW, 4, false>(w, xr, K, o, ldo); break;
-    case 3: first ? tile_bf16<NW, 3, true>(w, xr, K, o, ldo) : tile_bf16<NW, 3, false>(w, xr, K, o, ldo); break;
-    case 2: first ? tile_bf16<NW, 2, true>(w, xr, K, o, ldo) : tile_bf16<NW, 2, false>(w, xr, K, o, ldo); break;
-    case 1: first ? tile_bf16<NW, 1, true>(w, xr, K, o, ldo) : tile_bf16<NW, 1, false>(w, xr, K, o, ldo); break;
+    case 5: tile_bf16<NW, 5>(w, xr, K, o, ldo); break;
+    case 4: tile_bf16<NW, 4>(w, xr, K, o, ldo); break;
+    case 3: tile_bf16<NW, 3>(w, xr, K, o, ldo); break;
+    case 2: tile_bf16<NW, 2>(w, xr, K, o, ldo); break;
+    case 1: tile_bf16<NW, 1>(w, xr, K, o, ldo); break;
     default: break;
   }
 }
