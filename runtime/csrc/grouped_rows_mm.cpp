@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include "simd.h"
@@ -400,6 +401,52 @@ DEEPINFER_AVX512_TARGET inline void hsums512(const __m512* acc, float* sums) {
   }
 }
 
+// Per-microarchitecture choices of the AVX-512 forms, fixed at compile time in each instantiation and picked per call
+// (cpu_tuning()): the cache level the weights' software prefetches fill (kHint), and whether the bf16 dot-product
+// tile's 3-5-row passes read their rows as memory operands (kFoldBf16, below). Zen4Tuning is measured on Zen 4 and
+// taken everywhere but Zen 5 (AMD family 26 and later: AVX-512 on full-width units, two 512-bit FMAs or dot products
+// a cycle). On a 2-core Zen 5 VM, weights out of cache, rounds interleaved with a plain AVX-512 read of the same
+// weights, Zen5Tuning against Zen4Tuning: bf16 dot products 1.06-1.09x at 4 rows a group (the `mid` experts over 16
+// groups, uniform and as routed), 1.13-1.18x at 16 rows (1024 x 1024 and the 16384 x 1024 head), 1.10x at 64 (a
+// prefill chunk's experts), 1.0-1.08x at 1-2 and 8; the fp32 form (T0 only: its fold stays) 1.07-1.09x at 4 rows a
+// group, 1.07-1.09x for one-row reads of bf16 weights, 0.98-1.05x elsewhere. On Zen 4 the same T0 prefetch ran the
+// experts 1.3-1.8x slower than T1 (kPrefetchBytes). DEEPINFER_CPU_TUNING=zen4|zen5 (or deepinfer_cpu::tuning)
+// overrides the choice; tests run both.
+struct Zen4Tuning {
+  static constexpr _mm_hint kHint = _MM_HINT_T1;
+  static constexpr bool kFoldBf16 = true;
+};
+struct Zen5Tuning {
+  static constexpr _mm_hint kHint = _MM_HINT_T0;
+  static constexpr bool kFoldBf16 = false;
+};
+
+bool cpu_is_zen5_or_later() {
+  static const bool yes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;   // "AuthenticAMD"
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+    const unsigned family = ((a >> 8) & 0xf) + (((a >> 8) & 0xf) == 0xf ? (a >> 20) & 0xff : 0);
+    return family >= 0x1a;
+  }();
+  return yes;
+}
+
+// 0: as the CPU (Zen 5 and later: Zen5Tuning), 4 or 5: forced.
+std::atomic<int> g_tuning{[] {
+  const char* v = std::getenv("DEEPINFER_CPU_TUNING");
+  if (v == nullptr) return 0;
+  const std::string t(v);
+  TORCH_CHECK(t == "zen4" || t == "zen5" || t == "auto", "DEEPINFER_CPU_TUNING=", t, ": expected zen4, zen5 or auto");
+  return t == "zen4" ? 4 : t == "zen5" ? 5 : 0;
+}()};
+
+bool zen5_tuning() {
+  const int t = g_tuning.load(std::memory_order_relaxed);
+  return t == 5 || (t == 0 && cpu_is_zen5_or_later());
+}
+
 // The first pass of a tile of 3-5 rows over fp32 weights (decode steps' experts, a few rows a group) reads each row's
 // vector once per FMA, as the FMA's memory operand, instead of once into a register shared by its four FMAs, and a
 // group of 6-11 rows makes its pass from memory such a 5-row tile. More loads, yet on a 2-core Zen 4 VM (weights out of
@@ -409,7 +456,7 @@ DEEPINFER_AVX512_TARGET inline void hsums512(const __m512* acc, float* sums) {
 // 0.99-1.01x, so those keep the register (a folded 6-row pass: 0.6-0.8x), as do bf16 weights (widened in registers:
 // compute-bound at 4 rows, 0.84-0.87x folded). The bf16 dot-product tile folds 3-5 rows too (1.05-1.23x at 4 and 5
 // rows; its 6-11-row groups gained nothing from a 5-row lead), on every pass of 3-5 rows
-// (tile_bf16). GCC's znver3 tuning makes this choice itself for such tiles (its other choices cost the compute-bound
+// (tile_bf16), under Zen4Tuning (Zen5Tuning does not fold). GCC's znver3 tuning makes this choice itself for such tiles (its other choices cost the compute-bound
 // tiles 11-25%); the empty asm makes it under the generic tuning the kernels are built with. Same instructions on the
 // same operands: the sums are bit for bit.
 template <int R>
@@ -427,7 +474,7 @@ constexpr bool kFoldRows = R >= 3 && R <= 5;
 template <typename W>
 constexpr bool kPrefetchFewRows = !std::is_same_v<W, float>;
 
-template <int NW, int R, bool PF, typename W>
+template <typename Tune, int NW, int R, bool PF, typename W>
 DEEPINFER_AVX512_TARGET inline void tile512(const W* w, const float* x, int64_t ldx, int64_t K, float* out, int64_t ldo) {
   constexpr int64_t kAhead = kPrefetchBytes / sizeof(W), kStep = 64 / sizeof(W);
   __m512 acc[NW * R];
@@ -440,7 +487,8 @@ DEEPINFER_AVX512_TARGET inline void tile512(const W* w, const float* x, int64_t 
     for (int i = 0; i < NW; ++i) wv[i] = wload512(w + i * K + k);
     if (PF && (k & (kStep - 1)) == 0) {
 #pragma GCC unroll 4
-      for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kAhead), _MM_HINT_T1);
+      for (int i = 0; i < NW; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kAhead), Tune::kHint);
     }
     if constexpr (PF && std::is_same_v<W, float> && kFoldRows<R>) {
 #pragma GCC unroll 4
@@ -479,40 +527,43 @@ DEEPINFER_AVX512_TARGET inline void tile512(const W* w, const float* x, int64_t 
     for (int j = 0; j < R; ++j) out[j * ldo + i] = sums[i * R + j];
 }
 
-template <int NW, typename W>
-DEEPINFER_AVX512_TARGET inline void weight_rows512(const W* w, const float* x, int64_t ldx, int64_t rows, int64_t K, float* out,
-                                                   int64_t ldo) {
+// A tile of R rows that prefetches (the pass from memory) or not.
+template <typename Tune, int NW, int R, typename W>
+DEEPINFER_AVX512_TARGET inline void pass512(bool pf, const W* w, const float* x, int64_t ldx, int64_t K, float* out,
+                                            int64_t ldo) {
+  pf ? tile512<Tune, NW, R, true>(w, x, ldx, K, out, ldo) : tile512<Tune, NW, R, false>(w, x, ldx, K, out, ldo);
+}
+
+template <typename Tune, int NW, typename W>
+DEEPINFER_AVX512_TARGET inline void weight_rows512(const W* w, const float* x, int64_t ldx, int64_t rows, int64_t K,
+                                                   float* out, int64_t ldo) {
   int64_t r = 0;
   if (rows >= kR5) {
     if (std::is_same_v<W, float> && rows < 2 * kR5) {   // 6-11 rows: the pass from memory takes 5 of them, folded
-      tile512<NW, 5, true>(w, x, ldx, K, out, ldo);
+      tile512<Tune, NW, 5, true>(w, x, ldx, K, out, ldo);
       r = 5;
     } else {
-      tile512<NW, kR5, true>(w, x, ldx, K, out, ldo);
+      tile512<Tune, NW, kR5, true>(w, x, ldx, K, out, ldo);
       r = kR5;
     }
-    for (; r + kR5 <= rows; r += kR5) tile512<NW, kR5, false>(w, x + r * ldx, ldx, K, out + r * ldo, ldo);
+    for (; r + kR5 <= rows; r += kR5) tile512<Tune, NW, kR5, false>(w, x + r * ldx, ldx, K, out + r * ldo, ldo);
   }
   const bool first = r == 0;
   const float* xr = x + r * ldx;
   float* o = out + r * ldo;
   switch (rows - r) {
-    case 5: first ? tile512<NW, 5, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 5, false>(w, xr, ldx, K, o, ldo); break;
-    case 4: first ? tile512<NW, 4, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 4, false>(w, xr, ldx, K, o, ldo); break;
-    case 3: first ? tile512<NW, 3, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 3, false>(w, xr, ldx, K, o, ldo); break;
-    case 2:
-      first && kPrefetchFewRows<W> ? tile512<NW, 2, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 2, false>(w, xr, ldx, K, o, ldo);
-      break;
-    case 1:
-      first && kPrefetchFewRows<W> ? tile512<NW, 1, true>(w, xr, ldx, K, o, ldo) : tile512<NW, 1, false>(w, xr, ldx, K, o, ldo);
-      break;
+    case 5: pass512<Tune, NW, 5>(first, w, xr, ldx, K, o, ldo); break;
+    case 4: pass512<Tune, NW, 4>(first, w, xr, ldx, K, o, ldo); break;
+    case 3: pass512<Tune, NW, 3>(first, w, xr, ldx, K, o, ldo); break;
+    case 2: pass512<Tune, NW, 2>(first && kPrefetchFewRows<W>, w, xr, ldx, K, o, ldo); break;
+    case 1: pass512<Tune, NW, 1>(first && kPrefetchFewRows<W>, w, xr, ldx, K, o, ldo); break;
     default: break;
   }
 }
 
 // Weight rows [n0, n1) against `rows` rows, in blocks of `row_block` rows: a block's rows and the task's weight rows
 // stay in L2 while they meet (the weights come from memory for the first block only).
-template <typename W>
+template <typename Tune, typename W>
 DEEPINFER_AVX512_TARGET void task512(const W* w, const float* x, int64_t ldx, int64_t rows, int64_t row_block, int64_t K,
                                      int64_t n0, int64_t n1, float* o, int64_t N) {
   for (int64_t r = 0; r < rows; r += row_block) {
@@ -520,8 +571,8 @@ DEEPINFER_AVX512_TARGET void task512(const W* w, const float* x, int64_t ldx, in
     const float* xr = x + r * ldx;
     float* orow = o + r * N;
     int64_t n = n0;
-    for (; n + kNW5 <= n1; n += kNW5) weight_rows512<kNW5>(w + n * K, xr, ldx, nr, K, orow + n, N);
-    for (; n < n1; ++n) weight_rows512<1>(w + n * K, xr, ldx, nr, K, orow + n, N);
+    for (; n + kNW5 <= n1; n += kNW5) weight_rows512<Tune, kNW5>(w + n * K, xr, ldx, nr, K, orow + n, N);
+    for (; n < n1; ++n) weight_rows512<Tune, 1>(w + n * K, xr, ldx, nr, K, orow + n, N);
   }
 }
 
@@ -545,8 +596,10 @@ void grouped_rows_typed512(const at::Tensor& x, const at::Tensor& wt, const int6
   float* outp = out.data_ptr<float>();
   const int64_t block_n = std::clamp<int64_t>(kTaskWeightBytes / (K * int64_t(sizeof(W))) / kNW5 * kNW5, kNW5, kBlockN);
   const int64_t row_block = std::clamp<int64_t>(kRowBlockBytes / (K * 4) / kR5 * kR5, kR5, 16 * kR5);
+  const bool zen5 = zen5_tuning();
   for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
-    task512(wp + g * N * K, xp + r0 * ldx, ldx, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
+    zen5 ? task512<Zen5Tuning>(wp + g * N * K, xp + r0 * ldx, ldx, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N)
+         : task512<Zen4Tuning>(wp + g * N * K, xp + r0 * ldx, ldx, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
   }, block_n);
 }
 
@@ -582,7 +635,7 @@ constexpr int kRb = 6;    // rows per register tile
 // prefetching in the later passes too made 16-row linears 1.07-1.27x faster (the 16384 x 1024 head 483-516 -> 551-655
 // GFLOP/s, 1024 x 1024 1.07-1.16x), every other shape 0.97-1.05x: the first pass alone issues its prefetches in a burst
 // while it waits on memory, and the passes after it, compute-bound, then leave the memory bus idle.
-template <int NW, int R>
+template <typename Tune, int NW, int R>
 DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* out,
                                             int64_t ldo) {
   constexpr int64_t kAhead = kPrefetchBytes / 2;
@@ -599,9 +652,10 @@ DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x
     for (int i = 0; i < NW; ++i) wv[i] = _mm512_loadu_si512(w + i * K + k);
     if constexpr (PF) {
 #pragma GCC unroll 4
-      for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kAhead), _MM_HINT_T1);
+      for (int i = 0; i < NW; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kAhead), Tune::kHint);
     }
-    if constexpr (PF && kFoldRows<R>) {
+    if constexpr (PF && Tune::kFoldBf16 && kFoldRows<R>) {
 #pragma GCC unroll 4
       for (int j = 0; j < R; ++j) {
         const uint16_t* xj = x + j * K + k;
@@ -638,24 +692,25 @@ DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x
     for (int j = 0; j < R; ++j) out[j * ldo + i] = sums[i * R + j];
 }
 
-template <int NW>
+template <typename Tune, int NW>
 DEEPINFER_BF16_TARGET inline void weight_rows_bf16(const uint16_t* w, const uint16_t* x, int64_t rows, int64_t K,
                                                    float* out, int64_t ldo) {
   int64_t r = 0;
-  for (; r + kRb <= rows; r += kRb) tile_bf16<NW, kRb>(w, x + r * K, K, out + r * ldo, ldo);
+  for (; r + kRb <= rows; r += kRb) tile_bf16<Tune, NW, kRb>(w, x + r * K, K, out + r * ldo, ldo);
   const uint16_t* xr = x + r * K;
   float* o = out + r * ldo;
   switch (rows - r) {
-    case 5: tile_bf16<NW, 5>(w, xr, K, o, ldo); break;
-    case 4: tile_bf16<NW, 4>(w, xr, K, o, ldo); break;
-    case 3: tile_bf16<NW, 3>(w, xr, K, o, ldo); break;
-    case 2: tile_bf16<NW, 2>(w, xr, K, o, ldo); break;
-    case 1: tile_bf16<NW, 1>(w, xr, K, o, ldo); break;
+    case 5: tile_bf16<Tune, NW, 5>(w, xr, K, o, ldo); break;
+    case 4: tile_bf16<Tune, NW, 4>(w, xr, K, o, ldo); break;
+    case 3: tile_bf16<Tune, NW, 3>(w, xr, K, o, ldo); break;
+    case 2: tile_bf16<Tune, NW, 2>(w, xr, K, o, ldo); break;
+    case 1: tile_bf16<Tune, NW, 1>(w, xr, K, o, ldo); break;
     default: break;
   }
 }
 
 // One parallel task: weight rows [n0, n1) of group g against the group's rows, in L2-sized row blocks (as task512).
+template <typename Tune>
 DEEPINFER_BF16_TARGET void bf16_task(const uint16_t* w, const uint16_t* x, int64_t rows, int64_t row_block,
                                      int64_t K, int64_t n0, int64_t n1, float* o, int64_t N) {
   for (int64_t r = 0; r < rows; r += row_block) {
@@ -663,8 +718,8 @@ DEEPINFER_BF16_TARGET void bf16_task(const uint16_t* w, const uint16_t* x, int64
     const uint16_t* xr = x + r * K;
     float* orow = o + r * N;
     int64_t n = n0;
-    for (; n + kNWb <= n1; n += kNWb) weight_rows_bf16<kNWb>(w + n * K, xr, nr, K, orow + n, N);
-    for (; n < n1; ++n) weight_rows_bf16<1>(w + n * K, xr, nr, K, orow + n, N);
+    for (; n + kNWb <= n1; n += kNWb) weight_rows_bf16<Tune, kNWb>(w + n * K, xr, nr, K, orow + n, N);
+    for (; n < n1; ++n) weight_rows_bf16<Tune, 1>(w + n * K, xr, nr, K, orow + n, N);
   }
 }
 
@@ -676,8 +731,10 @@ void grouped_rows_bf16(const at::Tensor& x, const at::Tensor& wt, const int64_t*
   float* outp = out.data_ptr<float>();
   const int64_t block_n = std::clamp<int64_t>(kTaskWeightBytes / (K * 2) / kNWb * kNWb, kNWb, kBlockN);
   const int64_t row_block = std::clamp<int64_t>(kRowBlockBytes / (K * 2) / kRb * kRb, kRb, 16 * kRb);
+  const bool zen5 = zen5_tuning();
   for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
-    bf16_task(wp + g * N * K, xp + r0 * K, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
+    zen5 ? bf16_task<Zen5Tuning>(wp + g * N * K, xp + r0 * K, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N)
+         : bf16_task<Zen4Tuning>(wp + g * N * K, xp + r0 * K, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
   }, block_n);
 }
 
@@ -894,6 +951,16 @@ bool avx512_form(std::optional<bool> allow) {
 
 // deepinfer_cpu::panel_form(allow=None): whether the AVX2 kernel takes its panel form for groups of
 // kPanelMinRows+ rows (the default unless DEEPINFER_CPU_PANEL=0); with `allow`, first allow or forbid it.
+// deepinfer_cpu::tuning(set=None): which per-microarchitecture choices the AVX-512 forms take ("zen4" or "zen5";
+// by default as the CPU, Zen5Tuning on AMD family 26 and later); with `set` ("zen4", "zen5" or "auto"), first choose.
+std::string tuning(std::optional<std::string> set) {
+  if (set.has_value()) {
+    TORCH_CHECK(*set == "zen4" || *set == "zen5" || *set == "auto", "tuning: expected zen4, zen5 or auto, got ", *set);
+    g_tuning.store(*set == "zen4" ? 4 : *set == "zen5" ? 5 : 0);
+  }
+  return zen5_tuning() ? "zen5" : "zen4";
+}
+
 bool panel_form(std::optional<bool> allow) {
   if (allow.has_value()) g_allow_panel.store(*allow);
   return g_allow_panel.load();
@@ -913,6 +980,7 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("avx512_form(bool? allow=None) -> bool", avx512_form);
   m.def("amx_form(bool? allow=None) -> bool", amx_form);
   m.def("panel_form(bool? allow=None) -> bool", panel_form);
+  m.def("tuning(str? set=None) -> str", tuning);
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {

@@ -328,6 +328,41 @@ def test_kernel_sums_do_not_depend_on_tiling(form):
     assert torch.equal(grouped, alone)
 
 
+@pytest.mark.parametrize("form", ["fp32", "bf16 weights", "bf16 dot products"])
+def test_kernel_tunings_agree(form):
+    """The AVX-512 forms' two per-microarchitecture tunings (where the weights' prefetches go; whether the bf16 dot
+    products' 3-5-row tiles read their rows as memory operands) give the same sums bit for bit, groups of 0-17
+    rows; DEEPINFER_CPU_TUNING's op takes zen4, zen5 or auto and names what runs."""
+    _kernels_or_skip()
+    if form == "bf16 dot products":
+        if not _has_bf16_dot():
+            pytest.skip("this CPU has no AVX512-BF16: the dot-product kernel does not run here")
+    elif not torch.ops.deepinfer_cpu.avx512_form():
+        pytest.skip("this CPU has no AVX-512: the fp32 kernel's AVX-512 form does not run here")
+    g = torch.Generator().manual_seed(4)
+    K, N, sizes = 1040, 20, [0] + list(range(1, 18))
+    M = sum(sizes)
+    x = torch.randn(M, K, generator=g)
+    wt = torch.randn(len(sizes), N, K, generator=g)
+    if form != "fp32":
+        wt = wt.bfloat16()
+    if form == "bf16 dot products":
+        x = x.bfloat16()
+    offs = torch.tensor(sizes).cumsum(0)
+    default = torch.ops.deepinfer_cpu.tuning()
+    try:
+        out = {}
+        for t in ("zen4", "zen5"):
+            assert torch.ops.deepinfer_cpu.tuning(t) == t
+            out[t] = torch.ops.deepinfer_cpu.grouped_rows_mm(x, wt, offs)
+        assert torch.equal(out["zen4"], out["zen5"])
+        with pytest.raises(RuntimeError, match="zen4, zen5 or auto"):
+            torch.ops.deepinfer_cpu.tuning("zen3")
+        assert torch.ops.deepinfer_cpu.tuning("auto") in ("zen4", "zen5")      # as the CPU
+    finally:
+        torch.ops.deepinfer_cpu.tuning(default)
+
+
 def test_bf16_products_ops():
     """--matmul-dtype bfloat16's operands: bf16 rows and weights through deepinfer::grouped_mm and rows_linear
     take the kernel for few rows (the dot-product kernel, or without AVX512-BF16 the fp32 kernel on the widened
