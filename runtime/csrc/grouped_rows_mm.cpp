@@ -405,13 +405,14 @@ DEEPINFER_AVX512_TARGET inline void hsums512(const __m512* acc, float* sums) {
 // (cpu_tuning()): the cache level the weights' software prefetches fill (kHint), and whether the bf16 dot-product
 // tile's 3-5-row passes read their rows as memory operands (kFoldBf16, below). Zen4Tuning is measured on Zen 4 and
 // taken everywhere but Zen 5 (AMD family 26 and later: AVX-512 on full-width units, two 512-bit FMAs or dot products
-// a cycle). On a 2-core Zen 5 VM, weights out of cache, rounds interleaved with a plain AVX-512 read of the same
-// weights, Zen5Tuning against Zen4Tuning: bf16 dot products 1.06-1.09x at 4 rows a group (the `mid` experts over 16
-// groups, uniform and as routed), 1.13-1.18x at 16 rows (1024 x 1024 and the 16384 x 1024 head), 1.10x at 64 (a
-// prefill chunk's experts), 1.0-1.08x at 1-2 and 8; the fp32 form (T0 only: its fold stays) 1.07-1.09x at 4 rows a
-// group, 1.07-1.09x for one-row reads of bf16 weights, 0.98-1.05x elsewhere. On Zen 4 the same T0 prefetch ran the
-// experts 1.3-1.8x slower than T1 (kPrefetchBytes). DEEPINFER_CPU_TUNING=zen4|zen5 (or deepinfer_cpu::tuning)
-// overrides the choice; tests run both.
+// a cycle). On a 2-core Zen 5 VM, weights out of cache in the runtime's huge-page arena, rounds interleaved with a
+// plain AVX-512 read of the same weights, Zen5Tuning against Zen4Tuning: bf16 dot products 1.05-1.10x at 4 rows a
+// group (the `mid` experts over 16 groups, uniform and as routed), 1.07-1.08x at 16 rows (1024 x 1024 and the 16384 x
+// 1024 head), 1.10x at 64 (a prefill chunk's experts), 0.98-1.04x at 1-2 and 8; the fp32 form (T0 only: its fold
+// stays) over bf16 weights 1.02-1.10x at 1-4 rows a group, 0.99-1.01x at 16-64 (in 4 KB pages the bf16 products'
+// gains were 1.06-1.18x). End to end, decode steps alternating the two step by step: 1.007-1.011x. On Zen 4 the same T0
+// prefetch ran the experts 1.3-1.8x slower than T1 (kPrefetchBytes). DEEPINFER_CPU_TUNING=zen4|zen5 (or
+// deepinfer_cpu::tuning) overrides the choice; tests run both.
 struct Zen4Tuning {
   static constexpr _mm_hint kHint = _MM_HINT_T1;
   static constexpr bool kFoldBf16 = true;
@@ -455,10 +456,10 @@ bool zen5_tuning() {
 // 1.06-1.31x at 5, 1.02-1.2x at 6-10, 1.01-1.07x at 3; 1-2 and 12+ rows, later passes and every compute-bound shape
 // 0.99-1.01x, so those keep the register (a folded 6-row pass: 0.6-0.8x), as do bf16 weights (widened in registers:
 // compute-bound at 4 rows, 0.84-0.87x folded). The bf16 dot-product tile folds 3-5 rows too (1.05-1.23x at 4 and 5
-// rows; its 6-11-row groups gained nothing from a 5-row lead), on every pass of 3-5 rows
-// (tile_bf16), under Zen4Tuning (Zen5Tuning does not fold). GCC's znver3 tuning makes this choice itself for such tiles (its other choices cost the compute-bound
-// tiles 11-25%); the empty asm makes it under the generic tuning the kernels are built with. Same instructions on the
-// same operands: the sums are bit for bit.
+// rows; its 6-11-row groups gained nothing from a 5-row lead), on every pass of 3-5 rows (tile_bf16), under Zen4Tuning
+// (Zen5Tuning does not fold). GCC's znver3 tuning makes this choice itself for such tiles (its other choices cost the
+// compute-bound tiles 11-25%); the empty asm makes it under the generic tuning the kernels are built with. Same
+// instructions on the same operands: the sums are bit for bit.
 template <int R>
 constexpr bool kFoldRows = R >= 3 && R <= 5;
 
