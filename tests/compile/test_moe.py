@@ -302,26 +302,33 @@ def test_bf16_dot_kernel_matches(K, N):
     assert torch.count_nonzero(out[start:]) == 0
 
 
-@pytest.mark.parametrize("form", ["fp32", "bf16 weights", "bf16 dot products"])
-def test_kernel_sums_do_not_depend_on_tiling(form):
-    """The AVX-512 forms sum each output in one order whatever tile computes it: a row alone in its group gives
-    bit for bit what it gives among 2-16 rows, whether its tile makes the pass from memory (3-5 rows read as the
-    instructions' memory operands; the 5-row lead of 6-11-row groups) or a later one from cache."""
+def _avx512_operands(form: str, seed: int, N: int, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows and weights for one of the AVX-512 forms (fp32, bf16 weights, bf16 dot products), K = 1040 (65 vectors
+    of 16 and a 16-lane tail of bf16); skips where this CPU does not run that form."""
     _kernels_or_skip()
     if form == "bf16 dot products":
         if not _has_bf16_dot():
             pytest.skip("this CPU has no AVX512-BF16: the dot-product kernel does not run here")
     elif not torch.ops.deepinfer_cpu.avx512_form():
         pytest.skip("this CPU has no AVX-512: the fp32 kernel's AVX-512 form does not run here")
-    g = torch.Generator().manual_seed(3)
-    K, N, sizes = 1040, 12, list(range(1, 17))                   # K: 65 vectors of 16 and a 16-lane tail of bf16
-    M = sum(sizes)
-    x = torch.randn(M, K, generator=g)
-    wt = torch.randn(len(sizes), N, K, generator=g)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(sizes), 1040, generator=g)
+    wt = torch.randn(len(sizes), N, 1040, generator=g)
     if form != "fp32":
         wt = wt.bfloat16()
     if form == "bf16 dot products":
         x = x.bfloat16()
+    return x, wt
+
+
+@pytest.mark.parametrize("form", ["fp32", "bf16 weights", "bf16 dot products"])
+def test_kernel_sums_do_not_depend_on_tiling(form):
+    """The AVX-512 forms sum each output in one order whatever tile computes it: a row alone in its group gives
+    bit for bit what it gives among 2-16 rows, whether its tile makes the pass from memory (3-5 rows read as the
+    instructions' memory operands; the 5-row lead of 6-11-row groups) or a later one from cache."""
+    sizes = list(range(1, 17))
+    x, wt = _avx512_operands(form, 3, 12, sizes)
+    M = sum(sizes)
     grouped = torch.ops.deepinfer_cpu.grouped_rows_mm(x, wt, torch.tensor(sizes).cumsum(0))
     each = wt.repeat_interleave(torch.tensor(sizes), dim=0)      # every row its own group, of its group's weight
     alone = torch.ops.deepinfer_cpu.grouped_rows_mm(x, each, torch.arange(1, M + 1))
@@ -333,21 +340,8 @@ def test_kernel_tunings_agree(form):
     """The AVX-512 forms' two per-microarchitecture tunings (where the weights' prefetches go; whether the bf16 dot
     products' 3-5-row tiles read their rows as memory operands) give the same sums bit for bit, groups of 0-17
     rows; DEEPINFER_CPU_TUNING's op takes zen4, zen5 or auto and names what runs."""
-    _kernels_or_skip()
-    if form == "bf16 dot products":
-        if not _has_bf16_dot():
-            pytest.skip("this CPU has no AVX512-BF16: the dot-product kernel does not run here")
-    elif not torch.ops.deepinfer_cpu.avx512_form():
-        pytest.skip("this CPU has no AVX-512: the fp32 kernel's AVX-512 form does not run here")
-    g = torch.Generator().manual_seed(4)
-    K, N, sizes = 1040, 20, [0] + list(range(1, 18))
-    M = sum(sizes)
-    x = torch.randn(M, K, generator=g)
-    wt = torch.randn(len(sizes), N, K, generator=g)
-    if form != "fp32":
-        wt = wt.bfloat16()
-    if form == "bf16 dot products":
-        x = x.bfloat16()
+    sizes = [0] + list(range(1, 18))
+    x, wt = _avx512_operands(form, 4, 20, sizes)
     offs = torch.tensor(sizes).cumsum(0)
     default = torch.ops.deepinfer_cpu.tuning()
     try:
