@@ -48,9 +48,15 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+TUNING_ENV = "DEEPINFER_CPU_TUNING"
+
+
 def _load() -> str | None:
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
+    tuning = os.environ.get(TUNING_ENV)
+    if tuning is not None and tuning not in ("zen4", "zen5", "auto"):
+        log.warning("%s=%r is not zen4, zen5 or auto: ignored (the kernels tune for this CPU)", TUNING_ENV, tuning)
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"no kernels for {platform.machine()} (x86-64 AVX2 only)"
     try:

@@ -434,12 +434,11 @@ bool cpu_is_zen5_or_later() {
   return yes;
 }
 
-// 0: as the CPU (Zen 5 and later: Zen5Tuning), 4 or 5: forced.
+// 0: as the CPU (Zen 5 and later: Zen5Tuning), 4 or 5: forced. Any other value of the variable counts as auto (this
+// runs as the library loads, where an exception would end the process; runtime/cpu_kernels.py warns of it).
 std::atomic<int> g_tuning{[] {
   const char* v = std::getenv("DEEPINFER_CPU_TUNING");
-  if (v == nullptr) return 0;
-  const std::string t(v);
-  TORCH_CHECK(t == "zen4" || t == "zen5" || t == "auto", "DEEPINFER_CPU_TUNING=", t, ": expected zen4, zen5 or auto");
+  const std::string t(v == nullptr ? "auto" : v);
   return t == "zen4" ? 4 : t == "zen5" ? 5 : 0;
 }()};
 

@@ -3,7 +3,10 @@ capacity-grouped == dense when nothing overflows, and an overflow is flagged and
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -355,6 +358,22 @@ def test_kernel_tunings_agree(form):
         assert torch.ops.deepinfer_cpu.tuning("auto") in ("zen4", "zen5")      # as the CPU
     finally:
         torch.ops.deepinfer_cpu.tuning(default)
+
+
+def test_bad_tuning_variable_is_ignored_with_a_warning():
+    """DEEPINFER_CPU_TUNING with a value other than zen4, zen5 or auto: the library still loads (it reads the
+    variable as it loads, where an error would end the process), tunes for the CPU, and the log says so."""
+    _kernels_or_skip()
+    before = torch.ops.deepinfer_cpu.tuning()
+    auto = torch.ops.deepinfer_cpu.tuning("auto")
+    torch.ops.deepinfer_cpu.tuning(before)
+    code = ("import logging, torch; logging.basicConfig(); from deepinfer.runtime import cpu_kernels; "
+            "assert cpu_kernels.available(); print(torch.ops.deepinfer_cpu.tuning())")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DEEPINFER_CPU_TUNING": "zen9"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == auto
+    assert "DEEPINFER_CPU_TUNING='zen9' is not zen4, zen5 or auto: ignored" in r.stderr
 
 
 def test_bf16_products_ops():
