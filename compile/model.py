@@ -281,11 +281,10 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         ctx = kv_cache[tbl[0]].flatten(0, 1)                                             # [C, Dc]
         if bf16:
             ctx = ctx.to(torch.bfloat16)
-        operand = (lambda t: t) if bf16 else (lambda t: as_compute(t, x))
-        c_ctx, k_pe_ctx = ctx[:, :kvr], ctx[:, kvr:]
-        k_nope = torch.einsum("cl,hdl->hcd", c_ctx, operand(w["attn.w_uk"]))              # [H, C, dn]
+        c_ctx, k_pe_ctx = ctx[:, :kvr], ctx[:, kvr:]                                   # the pool is in x's dtype
+        k_nope = torch.einsum("cl,hdl->hcd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))   # [H, C, dn]
         k = torch.cat([k_nope, k_pe_ctx[None].expand(H, -1, dr)], dim=-1)              # [H, C, dn + dr]
-        v = torch.einsum("cl,hvl->hcv", c_ctx, operand(w["attn.w_uv"]))                   # [H, C, dv]
+        v = torch.einsum("cl,hvl->hcv", c_ctx, as_compute(w["attn.w_uv"], c_ctx))        # [H, C, dv]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)                             # [H, T, dn + dr]
         if bf16:
             q = q.to(torch.bfloat16)

@@ -434,17 +434,25 @@ bool cpu_is_zen5_or_later() {
   return yes;
 }
 
-// 0: as the CPU (Zen 5 and later: Zen5Tuning), 4 or 5: forced. Any other value of the variable counts as auto (this
-// runs as the library loads, where an exception would end the process; runtime/cpu_kernels.py warns of it).
+// A tuning's name -> 0 (auto: as the CPU), 4 or 5 (forced); -1 for any other name.
+int tuning_code(const std::string& t) { return t == "auto" ? 0 : t == "zen4" ? 4 : t == "zen5" ? 5 : -1; }
+
+// Read as the library loads, where an exception would end the process: an unknown value counts as auto
+// (runtime/cpu_kernels.py warns of it).
 std::atomic<int> g_tuning{[] {
   const char* v = std::getenv("DEEPINFER_CPU_TUNING");
-  const std::string t(v == nullptr ? "auto" : v);
-  return t == "zen4" ? 4 : t == "zen5" ? 5 : 0;
+  return v == nullptr ? 0 : std::max(tuning_code(v), 0);
 }()};
 
 bool zen5_tuning() {
   const int t = g_tuning.load(std::memory_order_relaxed);
   return t == 5 || (t == 0 && cpu_is_zen5_or_later());
+}
+
+// f(Zen5Tuning{}) or f(Zen4Tuning{}), as this call's tuning is.
+template <typename F>
+void with_tuning(const F& f) {
+  zen5_tuning() ? f(Zen5Tuning{}) : f(Zen4Tuning{});
 }
 
 // The first pass of a tile of 3-5 rows over fp32 weights (decode steps' experts, a few rows a group) reads each row's
@@ -596,11 +604,11 @@ void grouped_rows_typed512(const at::Tensor& x, const at::Tensor& wt, const int6
   float* outp = out.data_ptr<float>();
   const int64_t block_n = std::clamp<int64_t>(kTaskWeightBytes / (K * int64_t(sizeof(W))) / kNW5 * kNW5, kNW5, kBlockN);
   const int64_t row_block = std::clamp<int64_t>(kRowBlockBytes / (K * 4) / kR5 * kR5, kR5, 16 * kR5);
-  const bool zen5 = zen5_tuning();
-  for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
-    zen5 ? task512<Zen5Tuning>(wp + g * N * K, xp + r0 * ldx, ldx, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N)
-         : task512<Zen4Tuning>(wp + g * N * K, xp + r0 * ldx, ldx, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
-  }, block_n);
+  with_tuning([&](auto tune) {
+    for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
+      task512<decltype(tune)>(wp + g * N * K, xp + r0 * ldx, ldx, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
+    }, block_n);
+  });
 }
 
 // x fp32 [M, K], wt [G, N, K] fp32 or bf16, both contiguous.
@@ -731,11 +739,11 @@ void grouped_rows_bf16(const at::Tensor& x, const at::Tensor& wt, const int64_t*
   float* outp = out.data_ptr<float>();
   const int64_t block_n = std::clamp<int64_t>(kTaskWeightBytes / (K * 2) / kNWb * kNWb, kNWb, kBlockN);
   const int64_t row_block = std::clamp<int64_t>(kRowBlockBytes / (K * 2) / kRb * kRb, kRb, 16 * kRb);
-  const bool zen5 = zen5_tuning();
-  for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
-    zen5 ? bf16_task<Zen5Tuning>(wp + g * N * K, xp + r0 * K, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N)
-         : bf16_task<Zen4Tuning>(wp + g * N * K, xp + r0 * K, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
-  }, block_n);
+  with_tuning([&](auto tune) {
+    for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
+      bf16_task<decltype(tune)>(wp + g * N * K, xp + r0 * K, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
+    }, block_n);
+  });
 }
 
 // bf16 rows and bf16 weights: the dot-product kernel where the CPU has it.
@@ -949,18 +957,19 @@ bool avx512_form(std::optional<bool> allow) {
   return use_avx512();
 }
 
-// deepinfer_cpu::panel_form(allow=None): whether the AVX2 kernel takes its panel form for groups of
-// kPanelMinRows+ rows (the default unless DEEPINFER_CPU_PANEL=0); with `allow`, first allow or forbid it.
 // deepinfer_cpu::tuning(set=None): which per-microarchitecture choices the AVX-512 forms take ("zen4" or "zen5";
 // by default as the CPU, Zen5Tuning on AMD family 26 and later); with `set` ("zen4", "zen5" or "auto"), first choose.
 std::string tuning(std::optional<std::string> set) {
   if (set.has_value()) {
-    TORCH_CHECK(*set == "zen4" || *set == "zen5" || *set == "auto", "tuning: expected zen4, zen5 or auto, got ", *set);
-    g_tuning.store(*set == "zen4" ? 4 : *set == "zen5" ? 5 : 0);
+    const int code = tuning_code(*set);
+    TORCH_CHECK(code >= 0, "tuning: expected zen4, zen5 or auto, got ", *set);
+    g_tuning.store(code);
   }
   return zen5_tuning() ? "zen5" : "zen4";
 }
 
+// deepinfer_cpu::panel_form(allow=None): whether the AVX2 kernel takes its panel form for groups of
+// kPanelMinRows+ rows (the default unless DEEPINFER_CPU_PANEL=0); with `allow`, first allow or forbid it.
 bool panel_form(std::optional<bool> allow) {
   if (allow.has_value()) g_allow_panel.store(*allow);
   return g_allow_panel.load();
