@@ -411,15 +411,18 @@ DEEPINFER_AVX512_TARGET inline void hsums512(const __m512* acc, float* sums) {
 // 1024 head), 1.10x at 64 (a prefill chunk's experts), 0.98-1.04x at 1-2 and 8; the fp32 form (T0 only: its fold
 // stays) over bf16 weights 1.02-1.10x at 1-4 rows a group, 0.99-1.01x at 16-64 (in 4 KB pages the bf16 products'
 // gains were 1.06-1.18x). End to end, decode steps alternating the two step by step: 1.007-1.011x. On Zen 4 the same T0
-// prefetch ran the experts 1.3-1.8x slower than T1 (kPrefetchBytes). DEEPINFER_CPU_TUNING=zen4|zen5 (or
-// deepinfer_cpu::tuning) overrides the choice; tests run both.
+// prefetch ran the experts 1.3-1.8x slower than T1 (kPrefetchBytes), and the bf16 dot-product tile's one- and
+// two-row passes ran 1.15-1.6x faster with a prefetch (kPrefetchFewRowsBf16, tile_bf16). DEEPINFER_CPU_TUNING=zen4|zen5
+// (or deepinfer_cpu::tuning) overrides the choice; tests run both.
 struct Zen4Tuning {
   static constexpr _mm_hint kHint = _MM_HINT_T1;
   static constexpr bool kFoldBf16 = true;
+  static constexpr bool kPrefetchFewRowsBf16 = true;
 };
 struct Zen5Tuning {
   static constexpr _mm_hint kHint = _MM_HINT_T0;
   static constexpr bool kFoldBf16 = false;
+  static constexpr bool kPrefetchFewRowsBf16 = false;
 };
 
 bool cpu_is_zen5_or_later() {
@@ -638,16 +641,22 @@ constexpr int kNWb = 4;   // weight rows per register tile (4 x 6 accumulators +
 constexpr int kRb = 6;    // rows per register tile
 
 // Every pass of 3+ rows over the weights prefetches kPrefetchBytes ahead of each weight row it reads, later passes
-// (in L1) as well as the first (from memory); passes of 1-2 rows never (tile512's kPrefetchFewRows: the loop is
-// little but loads). On a 2-core Zen 5 VM (weights out of cache, interleaved with a plain read of the same weights),
-// prefetching in the later passes too made 16-row linears 1.07-1.27x faster (the 16384 x 1024 head 483-516 -> 551-655
-// GFLOP/s, 1024 x 1024 1.07-1.16x), every other shape 0.97-1.05x: the first pass alone issues its prefetches in a burst
-// while it waits on memory, and the passes after it, compute-bound, then leave the memory bus idle.
+// (in L1) as well as the first (from memory); passes of 1-2 rows only under Zen4Tuning (kPrefetchFewRowsBf16). On a
+// 2-core Zen 4 VM (weights out of cache in huge pages, processes alternated with and without, torch's sum() of the
+// same bytes reading 33-37 GB/s), their prefetch made the 16384 x 1024 head's one-row pass 26-27 -> 30-39 GB/s and
+// two-row 24 -> 33-45, 64 experts of 1024 x 1024 at one and two rows a group 23-27 -> 30-41 and 21-25 -> 35-49 GB/s:
+// without it the loop, little but loads, reached only 0.7-0.8 of the fp32 form's prefetched reads of the same
+// weights (end to end, `mid-bf16` with bf16 products at batch 1, four process pairs: 6.96-7.46 -> 6.89-7.62 ms a step,
+// within this VM's noise); on Zen 5 the same passes measured 0.98-1.04x either way. On a 2-core Zen 5 VM (weights out
+// of cache, interleaved with a plain read of the same weights), prefetching in the later passes too made 16-row
+// linears 1.07-1.27x faster (the 16384 x 1024 head 483-516 -> 551-655 GFLOP/s, 1024 x 1024 1.07-1.16x), every other
+// shape 0.97-1.05x: the first pass alone issues its prefetches in a burst while it waits on memory, and the passes
+// after it, compute-bound, then leave the memory bus idle.
 template <typename Tune, int NW, int R>
 DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* out,
                                             int64_t ldo) {
   constexpr int64_t kAhead = kPrefetchBytes / 2;
-  constexpr bool PF = R > 2;
+  constexpr bool PF = R > 2 || Tune::kPrefetchFewRowsBf16;
   __m512 acc[NW][R];
 #pragma GCC unroll 4
   for (int i = 0; i < NW; ++i)
