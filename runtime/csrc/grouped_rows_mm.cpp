@@ -346,7 +346,8 @@ void grouped_rows_typed(const at::Tensor& x, const at::Tensor& wt, const int64_t
 // Taken where the CPU has AVX-512 (compiled function by function with a target attribute, like the bf16 kernel below,
 // so the library still loads on AVX2-only CPUs; DEEPINFER_CPU_AVX512=0 or deepinfer_cpu::avx512_form keep the AVX2
 // kernel). 32 registers hold twice the AVX2 tile's accumulators for the same loads, and every first pass over a weight
-// prefetches it (one- and two-row passes only over bf16 weights: kPrefetchFewRows). On a 2-core Zen 4 VM, against the
+// prefetches it (one- and two-row passes over fp32 weights only under Zen4Tuning: prefetch_few_rows). On a 2-core
+// Zen 4 VM, against the
 // AVX2 kernel (both with the work-balanced tasks of for_each_task): `mid` experts at 1024 rows over 16 groups (a
 // 256-token prefill chunk, compute-bound) 140-151 -> 164-176 GFLOP/s (K = 1024) and 137-167 -> 161-176 (K = 512), where
 // one 1024 x 1024 x 1024 MKL sgemm runs 182-195; bf16 weights at 4-64 rows over 16 groups (decode, weights out of
@@ -411,18 +412,18 @@ DEEPINFER_AVX512_TARGET inline void hsums512(const __m512* acc, float* sums) {
 // 1024 head), 1.10x at 64 (a prefill chunk's experts), 0.98-1.04x at 1-2 and 8; the fp32 form (T0 only: its fold
 // stays) over bf16 weights 1.02-1.10x at 1-4 rows a group, 0.99-1.01x at 16-64 (in 4 KB pages the bf16 products'
 // gains were 1.06-1.18x). End to end, decode steps alternating the two step by step: 1.007-1.011x. On Zen 4 the same T0
-// prefetch ran the experts 1.3-1.8x slower than T1 (kPrefetchBytes), and the bf16 dot-product tile's one- and
-// two-row passes ran 1.15-1.6x faster with a prefetch (kPrefetchFewRowsBf16, tile_bf16). DEEPINFER_CPU_TUNING=zen4|zen5
-// (or deepinfer_cpu::tuning) overrides the choice; tests run both.
+// prefetch ran the experts 1.3-1.8x slower than T1 (kPrefetchBytes), and one- and two-row passes ran faster with a
+// prefetch where Zen 5 ran them faster without (kPrefetchFewRows: prefetch_few_rows, tile_bf16).
+// DEEPINFER_CPU_TUNING=zen4|zen5 (or deepinfer_cpu::tuning) overrides the choice; tests run both.
 struct Zen4Tuning {
   static constexpr _mm_hint kHint = _MM_HINT_T1;
   static constexpr bool kFoldBf16 = true;
-  static constexpr bool kPrefetchFewRowsBf16 = true;
+  static constexpr bool kPrefetchFewRows = true;
 };
 struct Zen5Tuning {
   static constexpr _mm_hint kHint = _MM_HINT_T0;
   static constexpr bool kFoldBf16 = false;
-  static constexpr bool kPrefetchFewRowsBf16 = false;
+  static constexpr bool kPrefetchFewRows = false;
 };
 
 bool cpu_is_zen5_or_later() {
@@ -473,17 +474,20 @@ void with_tuning(const F& f) {
 template <int R>
 constexpr bool kFoldRows = R >= 3 && R <= 5;
 
-// One- and two-row tiles prefetch on their pass from memory only where the weights are widened in registers (bf16
+// One- and two-row tiles prefetch on their pass from memory where the weights are widened in registers (bf16
 // weights, fp32 rows): there the loop has work between its loads. Over fp32 weights, and in the bf16 dot-product tile,
-// the loop is little but loads, which the hardware prefetchers keep fed, and the software prefetch only competes
-// with them for the load queue. On a 2-core Zen 5 VM (family 26: AVX-512 with full-width units), weights out of
-// cache, rounds interleaved with a plain AVX-512 read of the same weights: without it, fp32 weights at one row
-// 1.17-1.23x faster (the 16384 x 1024 head 0.69 -> 0.85 of the plain read's rate, 16 one-row groups of 1024 x 1024
-// 0.86 -> 1.01), bf16 dot products at one row 1.14-1.22x (0.80-0.88 -> 0.91-1.05), at two rows 0.99-1.09x; widened
+// the loop is little but loads: on Zen 5 the hardware prefetchers keep it fed and the software prefetch only competes
+// with them for the load queue, so under Zen5Tuning those passes go without. On a 2-core Zen 5 VM (family 26:
+// AVX-512 with full-width units), weights out of cache, rounds interleaved with a plain AVX-512 read of the same
+// weights: without it, fp32 weights at one row 1.17-1.23x faster (the 16384 x 1024 head 0.69 -> 0.85 of the plain
+// read's rate, 16 one-row groups of 1024 x 1024 0.86 -> 1.01), bf16 dot products at one row 1.14-1.22x (0.80-0.88 -> 0.91-1.05), at two rows 0.99-1.09x; widened
 // bf16 weights at one row 0.96-1.02x (so they keep it: on Zen 4 it made them 1.5x faster). The AVX2 kernel's
-// one-row fp32 tiles went without it already (Zen 3: it cost them 5-15%).
-template <typename W>
-constexpr bool kPrefetchFewRows = !std::is_same_v<W, float>;
+// one-row fp32 tiles went without it already (Zen 3: it cost them 5-15%). On Zen 4 those passes fall short of the
+// plain read without it: a 2-core Zen 4 VM, weights out of cache in huge pages, processes alternated (torch's sum() of
+// the same 268 MB reading 35-38 GB/s): with it, fp32 weights at one row 1.06-1.35x (the 65536 x 1024 weight 0.75-0.94
+// -> 0.96-1.02 of sum()'s rate), two rows 1.03-1.16x, 64 one- and two-row groups of 1024 x 1024 1.0-1.07x.
+template <typename Tune, typename W>
+constexpr bool prefetch_few_rows = !std::is_same_v<W, float> || Tune::kPrefetchFewRows;
 
 template <typename Tune, int NW, int R, bool PF, typename W>
 DEEPINFER_AVX512_TARGET inline void tile512(const W* w, const float* x, int64_t ldx, int64_t K, float* out, int64_t ldo) {
@@ -566,8 +570,8 @@ DEEPINFER_AVX512_TARGET inline void weight_rows512(const W* w, const float* x, i
     case 5: pass512<Tune, NW, 5>(first, w, xr, ldx, K, o, ldo); break;
     case 4: pass512<Tune, NW, 4>(first, w, xr, ldx, K, o, ldo); break;
     case 3: pass512<Tune, NW, 3>(first, w, xr, ldx, K, o, ldo); break;
-    case 2: pass512<Tune, NW, 2>(first && kPrefetchFewRows<W>, w, xr, ldx, K, o, ldo); break;
-    case 1: pass512<Tune, NW, 1>(first && kPrefetchFewRows<W>, w, xr, ldx, K, o, ldo); break;
+    case 2: pass512<Tune, NW, 2>(first && prefetch_few_rows<Tune, W>, w, xr, ldx, K, o, ldo); break;
+    case 1: pass512<Tune, NW, 1>(first && prefetch_few_rows<Tune, W>, w, xr, ldx, K, o, ldo); break;
     default: break;
   }
 }
@@ -641,7 +645,7 @@ constexpr int kNWb = 4;   // weight rows per register tile (4 x 6 accumulators +
 constexpr int kRb = 6;    // rows per register tile
 
 // Every pass of 3+ rows over the weights prefetches kPrefetchBytes ahead of each weight row it reads, later passes
-// (in L1) as well as the first (from memory); passes of 1-2 rows only under Zen4Tuning (kPrefetchFewRowsBf16). On a
+// (in L1) as well as the first (from memory); passes of 1-2 rows only under Zen4Tuning (kPrefetchFewRows). On a
 // 2-core Zen 4 VM (weights out of cache in huge pages, processes alternated with and without, torch's sum() of the
 // same bytes reading 33-37 GB/s), their prefetch made the 16384 x 1024 head's one-row pass 26-27 -> 30-39 GB/s and
 // two-row 24 -> 33-45, 64 experts of 1024 x 1024 at one and two rows a group 23-27 -> 30-41 and 21-25 -> 35-49 GB/s:
@@ -656,7 +660,7 @@ template <typename Tune, int NW, int R>
 DEEPINFER_BF16_TARGET inline void tile_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* out,
                                             int64_t ldo) {
   constexpr int64_t kAhead = kPrefetchBytes / 2;
-  constexpr bool PF = R > 2 || Tune::kPrefetchFewRowsBf16;
+  constexpr bool PF = R > 2 || Tune::kPrefetchFewRows;
   __m512 acc[NW][R];
 #pragma GCC unroll 4
   for (int i = 0; i < NW; ++i)
