@@ -480,12 +480,13 @@ constexpr bool kFoldRows = R >= 3 && R <= 5;
 // with them for the load queue, so under Zen5Tuning those passes go without. On a 2-core Zen 5 VM (family 26:
 // AVX-512 with full-width units), weights out of cache, rounds interleaved with a plain AVX-512 read of the same
 // weights: without it, fp32 weights at one row 1.17-1.23x faster (the 16384 x 1024 head 0.69 -> 0.85 of the plain
-// read's rate, 16 one-row groups of 1024 x 1024 0.86 -> 1.01), bf16 dot products at one row 1.14-1.22x (0.80-0.88 -> 0.91-1.05), at two rows 0.99-1.09x; widened
-// bf16 weights at one row 0.96-1.02x (so they keep it: on Zen 4 it made them 1.5x faster). The AVX2 kernel's
-// one-row fp32 tiles went without it already (Zen 3: it cost them 5-15%). On Zen 4 those passes fall short of the
-// plain read without it: a 2-core Zen 4 VM, weights out of cache in huge pages, processes alternated (torch's sum() of
-// the same 268 MB reading 35-38 GB/s): with it, fp32 weights at one row 1.06-1.35x (the 65536 x 1024 weight 0.75-0.94
-// -> 0.96-1.02 of sum()'s rate), two rows 1.03-1.16x, 64 one- and two-row groups of 1024 x 1024 1.0-1.07x.
+// read's rate, 16 one-row groups of 1024 x 1024 0.86 -> 1.01), bf16 dot products at one row 1.14-1.22x
+// (0.80-0.88 -> 0.91-1.05), at two rows 0.99-1.09x; widened bf16 weights at one row 0.96-1.02x (so they keep it: on
+// Zen 4 it made them 1.5x faster). The AVX2 kernel's one-row fp32 tiles went without it already (Zen 3: it cost
+// them 5-15%). On Zen 4 those passes fall short of the plain read without it: a 2-core Zen 4 VM, weights out of cache
+// in huge pages, processes alternated (torch's sum() of the same 268 MB reading 35-38 GB/s): with it, fp32 weights at
+// one row 1.06-1.35x (the 65536 x 1024 weight 0.75-0.94 -> 0.96-1.02 of sum()'s rate), two rows 1.03-1.16x, 64 one-
+// and two-row groups of 1024 x 1024 1.0-1.07x.
 template <typename Tune, typename W>
 constexpr bool prefetch_few_rows = !std::is_same_v<W, float> || Tune::kPrefetchFewRows;
 
