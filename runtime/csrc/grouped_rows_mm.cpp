@@ -346,14 +346,13 @@ void grouped_rows_typed(const at::Tensor& x, const at::Tensor& wt, const int64_t
 // Taken where the CPU has AVX-512 (compiled function by function with a target attribute, like the bf16 kernel below,
 // so the library still loads on AVX2-only CPUs; DEEPINFER_CPU_AVX512=0 or deepinfer_cpu::avx512_form keep the AVX2
 // kernel). 32 registers hold twice the AVX2 tile's accumulators for the same loads, and every first pass over a weight
-// prefetches it (one- and two-row passes over fp32 weights only under Zen4Tuning: prefetch_few_rows). On a 2-core
-// Zen 4 VM, against the
-// AVX2 kernel (both with the work-balanced tasks of for_each_task): `mid` experts at 1024 rows over 16 groups (a
-// 256-token prefill chunk, compute-bound) 140-151 -> 164-176 GFLOP/s (K = 1024) and 137-167 -> 161-176 (K = 512), where
-// one 1024 x 1024 x 1024 MKL sgemm runs 182-195; bf16 weights at 4-64 rows over 16 groups (decode, weights out of
-// cache) 1.3-1.9x; fp32 weights at 4 rows 1.1-1.2x, 16-64 rows alike; the 16384 x 1024 head at one row 1.15x (fp32) and
-// 1.5-1.9x (bf16), at 16 rows 1.15-1.2x. The one-row prefetch alone made bf16 weights at 4 rows over 16 groups 0.40 ->
-// 0.26 ms (31 GB/s), where the AVX2 kernel's measurements (T0 prefetch) had it cost 5-8%.
+// prefetches it (one- and two-row passes over fp32 weights only under Zen4Tuning: prefetch_few_rows). On a 2-core Zen 4
+// VM, against the AVX2 kernel (both with the work-balanced tasks of for_each_task): `mid` experts at 1024 rows over 16
+// groups (a 256-token prefill chunk, compute-bound) 140-151 -> 164-176 GFLOP/s (K = 1024) and 137-167 -> 161-176 (K =
+// 512), where one 1024 x 1024 x 1024 MKL sgemm runs 182-195; bf16 weights at 4-64 rows over 16 groups (decode, weights
+// out of cache) 1.3-1.9x; fp32 weights at 4 rows 1.1-1.2x, 16-64 rows alike; the 16384 x 1024 head at one row 1.15x
+// (fp32) and 1.5-1.9x (bf16), at 16 rows 1.15-1.2x. The one-row prefetch alone made bf16 weights at 4 rows over 16
+// groups 0.40 -> 0.26 ms (31 GB/s), where the AVX2 kernel's measurements (T0 prefetch) had it cost 5-8%.
 #define DEEPINFER_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
 std::atomic<bool> g_allow_avx512{[] {
@@ -403,18 +402,19 @@ DEEPINFER_AVX512_TARGET inline void hsums512(const __m512* acc, float* sums) {
 }
 
 // Per-microarchitecture choices of the AVX-512 forms, fixed at compile time in each instantiation and picked per call
-// (cpu_tuning()): the cache level the weights' software prefetches fill (kHint), and whether the bf16 dot-product
-// tile's 3-5-row passes read their rows as memory operands (kFoldBf16, below). Zen4Tuning is measured on Zen 4 and
-// taken everywhere but Zen 5 (AMD family 26 and later: AVX-512 on full-width units, two 512-bit FMAs or dot products
-// a cycle). On a 2-core Zen 5 VM, weights out of cache in the runtime's huge-page arena, rounds interleaved with a
-// plain AVX-512 read of the same weights, Zen5Tuning against Zen4Tuning: bf16 dot products 1.05-1.10x at 4 rows a
-// group (the `mid` experts over 16 groups, uniform and as routed), 1.07-1.08x at 16 rows (1024 x 1024 and the 16384 x
-// 1024 head), 1.10x at 64 (a prefill chunk's experts), 0.98-1.04x at 1-2 and 8; the fp32 form (T0 only: its fold
-// stays) over bf16 weights 1.02-1.10x at 1-4 rows a group, 0.99-1.01x at 16-64 (in 4 KB pages the bf16 products'
-// gains were 1.06-1.18x). End to end, decode steps alternating the two step by step: 1.007-1.011x. On Zen 4 the same T0
-// prefetch ran the experts 1.3-1.8x slower than T1 (kPrefetchBytes), and one- and two-row passes ran faster with a
-// prefetch where Zen 5 ran them faster without (kPrefetchFewRows: prefetch_few_rows, tile_bf16).
-// DEEPINFER_CPU_TUNING=zen4|zen5 (or deepinfer_cpu::tuning) overrides the choice; tests run both.
+// (cpu_tuning()): the cache level the weights' software prefetches fill (kHint), whether the bf16 dot-product tile's
+// 3-5-row passes read their rows as memory operands (kFoldBf16, below), and whether one- and two-row passes prefetch
+// (kPrefetchFewRows). Zen4Tuning is measured on Zen 4 and taken everywhere but Zen 5 (AMD family 26 and later: AVX-512
+// on full-width units, two 512-bit FMAs or dot products a cycle). On a 2-core Zen 5 VM, weights out of cache in the
+// runtime's huge-page arena, rounds interleaved with a plain AVX-512 read of the same weights, Zen5Tuning against
+// Zen4Tuning: bf16 dot products 1.05-1.10x at 4 rows a group (the `mid` experts over 16 groups, uniform and as routed),
+// 1.07-1.08x at 16 rows (1024 x 1024 and the 16384 x 1024 head), 1.10x at 64 (a prefill chunk's experts), 0.98-1.04x at
+// 1-2 and 8; the fp32 form (T0 only: its fold stays) over bf16 weights 1.02-1.10x at 1-4 rows a group, 0.99-1.01x at
+// 16-64 (in 4 KB pages the bf16 products' gains were 1.06-1.18x). End to end, decode steps alternating the two step by
+// step: 1.007-1.011x. On Zen 4 the same T0 prefetch ran the experts 1.3-1.8x slower than T1 (kPrefetchBytes), and one-
+// and two-row passes ran faster with a prefetch where Zen 5 ran them faster without (kPrefetchFewRows:
+// prefetch_few_rows, tile_bf16). DEEPINFER_CPU_TUNING=zen4|zen5 (or deepinfer_cpu::tuning) overrides the choice; tests
+// run both.
 struct Zen4Tuning {
   static constexpr _mm_hint kHint = _MM_HINT_T1;
   static constexpr bool kFoldBf16 = true;
@@ -645,15 +645,15 @@ bool cpu_has_bf16_dot() {
 constexpr int kNWb = 4;   // weight rows per register tile (4 x 6 accumulators + 4 + 1 of 32 zmm, as the AVX-512 form)
 constexpr int kRb = 6;    // rows per register tile
 
-// Every pass of 3+ rows over the weights prefetches kPrefetchBytes ahead of each weight row it reads, later passes
-// (in L1) as well as the first (from memory); passes of 1-2 rows only under Zen4Tuning (kPrefetchFewRows). On a
-// 2-core Zen 4 VM (weights out of cache in huge pages, processes alternated with and without, torch's sum() of the
-// same bytes reading 33-37 GB/s), their prefetch made the 16384 x 1024 head's one-row pass 26-27 -> 30-39 GB/s and
-// two-row 24 -> 33-45, 64 experts of 1024 x 1024 at one and two rows a group 23-27 -> 30-41 and 21-25 -> 35-49 GB/s:
-// without it the loop, little but loads, reached only 0.7-0.8 of the fp32 form's prefetched reads of the same
-// weights (end to end, `mid-bf16` with bf16 products at batch 1, four process pairs: 6.96-7.46 -> 6.89-7.62 ms a step,
-// within this VM's noise); on Zen 5 the same passes measured 0.98-1.04x either way. On a 2-core Zen 5 VM (weights out
-// of cache, interleaved with a plain read of the same weights), prefetching in the later passes too made 16-row
+// Every pass of 3+ rows over the weights prefetches kPrefetchBytes ahead of each weight row it reads, later passes (in
+// L1) as well as the first (from memory); passes of 1-2 rows only under Zen4Tuning (kPrefetchFewRows). On a 2-core Zen
+// 4 VM (weights out of cache in huge pages, processes alternated with and without, torch's sum() of the same bytes
+// reading 33-37 GB/s), their prefetch made the 16384 x 1024 head's one-row pass 26-27 -> 30-39 GB/s and two-row 24 ->
+// 33-45, 64 experts of 1024 x 1024 at one and two rows a group 23-27 -> 30-41 and 21-25 -> 35-49 GB/s: without it the
+// loop, little but loads, reached only 0.7-0.8 of the fp32 form's prefetched reads of the same weights (end to end,
+// `mid-bf16` with bf16 products at batch 1, four process pairs: 6.96-7.46 -> 6.89-7.62 ms a step, within this VM's
+// noise); on Zen 5 they ran 1.14-1.22x faster without it at one row (tile512's notes). On a 2-core Zen 5 VM (weights
+// out of cache, interleaved with a plain read of the same weights), prefetching in the later passes too made 16-row
 // linears 1.07-1.27x faster (the 16384 x 1024 head 483-516 -> 551-655 GFLOP/s, 1024 x 1024 1.07-1.16x), every other
 // shape 0.97-1.05x: the first pass alone issues its prefetches in a burst while it waits on memory, and the passes
 // after it, compute-bound, then leave the memory bus idle.

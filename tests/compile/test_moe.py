@@ -342,7 +342,8 @@ def test_kernel_sums_do_not_depend_on_tiling(form):
 def test_kernel_tunings_agree(form):
     """The AVX-512 forms' two per-microarchitecture tunings (where the weights' prefetches go; whether the bf16 dot
     products' 3-5-row tiles read their rows as memory operands, and whether 1-2-row passes prefetch) give the
-    same sums bit for bit, groups of 0-17 rows; DEEPINFER_CPU_TUNING's op takes zen4, zen5 or auto and names what runs."""
+    same sums bit for bit, groups of 0-17 rows; DEEPINFER_CPU_TUNING's op takes zen4, zen5 or auto and names what
+    runs."""
     sizes = [0] + list(range(1, 18))
     x, wt = _avx512_operands(form, 4, 20, sizes)
     offs = torch.tensor(sizes).cumsum(0)

@@ -143,7 +143,7 @@ def test_per_rank_shards_hold_only_their_experts(checkpoints, compile_artifact):
 def test_killed_follower_stops_the_leader_with_a_clear_error(checkpoints, compile_artifact):
     art = compile_artifact(checkpoints["base"], cp=2, ep=2)
     # far more work than the wait below covers (one 120-token prompt once finished inside it on a fast machine,
-    # and the follower was gone before the kill): 48 prompts run for minutes, so the kill lands mid-generation
+    # and the follower was gone before the kill): with 48 prompts the kill lands mid-generation
     prompts = [arg for i in range(48) for arg in ("--prompt-ids", f"{5 + i},6,7")]
     leader = subprocess.Popen([sys.executable, "-c", "from deepinfer.cli import run_main; run_main()", str(art),
                                *prompts, "--max-tokens", "120", "--ignore-eos"],
