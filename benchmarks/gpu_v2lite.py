@@ -243,6 +243,27 @@ def check(engine, hf, dev: torch.device, vocab: int, n: int = 8, k: int = 8) -> 
     return "check: " + "; ".join(parts)
 
 
+def region_tables(engine, dev: torch.device, vocab: int, prompt: int) -> str:
+    """Where a step's time goes (the runtime's DEEPINFER_REGION_TIMING table, synchronised around every graph):
+    batch-1 decode steps launched graph by graph (the CUDA-graph replay is off for these, so the table shows the
+    regions and the host's share that the replay hides), then one prompt of `prompt` tokens."""
+    from deepinfer.runtime.model_runner import RegionTimer
+    from deepinfer.runtime.sequence import SamplingParams
+    r = engine.runner
+    saved, r.step_graphs = r.step_graphs, None
+    g = torch.Generator().manual_seed(9)
+    tables = []
+    try:
+        for length, k in ((1, 9), (prompt, 1)):       # 1-token prompts: every step is a one-token decode step
+            r.timer = RegionTimer(dev)
+            engine.generate(random_prompts(g, 1, length, vocab), SamplingParams(max_tokens=k, ignore_eos=True))
+            tables.append(r.timer.table())
+    finally:
+        r.timer, r.step_graphs = None, saved
+    return (f"region timing (batch 1: decode steps without the CUDA graph, then one {prompt}-token prompt):\n"
+            + "\n".join(tables))
+
+
 def roofline(m, dev, batches) -> tuple[float, dict]:
     """Bytes a decode step must read (active weights, with the distinct experts a batch touches) over the
     measured device copy bandwidth."""
@@ -337,6 +358,14 @@ def main() -> None:
                 notes.append(f"check failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
             print(notes[-1], flush=True)
             write(lines)
+    if not (args.budget_s and time.monotonic() - t0 > args.budget_s):
+        try:
+            notes.append("```\n" + region_tables(engine, dev, m.vocab_size, ttft_lens[0]) + "\n```")
+        except Exception as e:
+            traceback.print_exc()
+            notes.append(f"region timing failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+        print(notes[-1], flush=True)
+        write(lines)
     from torch._dynamo.utils import counters
     notes.append(f"torch.compile: {counters['stats'].get('unique_graphs', 0)} graphs compiled, "
                  f"{sum(counters['recompiles'].values())} recompiles; {time.monotonic() - t0:.0f} s in all")
