@@ -64,7 +64,8 @@ class StateDictCheckpoint:
         return t
 
 
-def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: tuple[int, ...], limit: int):
+def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: tuple[int, ...],
+          context: tuple[int, ...], limit: int):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     from deepinfer.common.manifest import SCHEMA_VERSION, GraphEntry, Manifest, Toolchain
     from deepinfer.common.model_config import ModelConfig
@@ -90,8 +91,9 @@ def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: t
           f"({time.perf_counter() - t:.0f}s)", flush=True)
     opts = CompileOptions(model=Path("v2lite"), out=Path("unused"), backend="cuda", dtype="bfloat16",
                           # a 128-key decode bucket for the TPOT rows (32-token prompts + 33 tokens): with the
-                          # limit's bucket only, every decode step would read 2112 keys' latents a layer
-                          decode_buckets=decode, prefill_buckets=prefill, context_buckets=(128,), context_limit=limit,
+                          # limit's bucket only, every decode step would read 2112 keys' latents a layer; a prefill
+                          # bucket and a context bucket for each TTFT prompt, so each is one chunk over its own keys
+                          decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, context_limit=limit,
                           num_kv_blocks=(limit // 16) * max(decode))
     cc = resolve(opts, m)
     layout = make_layout(m, cc)
@@ -223,6 +225,7 @@ def check(engine, hf, dev: torch.device, vocab: int, n: int = 8, k: int = 8) -> 
             sg.check = False
     parts = []
     if hf is not None:
+        parts.append(first_logprobs(engine, hf, dev, ps))
         with torch.inference_mode():
             x = torch.tensor(ps, device=dev)
             theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k,
@@ -241,6 +244,59 @@ def check(engine, hf, dev: torch.device, vocab: int, n: int = 8, k: int = 8) -> 
         parts += [f"capture failed for decode T={t} C={c} (ran without a graph): {why[:160]}"
                   for (t, c), why in sorted(sg.failed.items())]
     return "check: " + "; ".join(parts)
+
+
+def first_logprobs(engine, hf, dev: torch.device, ps: list[list[int]], top: int = 20) -> str:
+    """Greedy tokens of two bf16 engines part at near-ties (random weights make flat logits), so compare the
+    distributions: our top-`top` first-token logprobs against transformers' log_softmax of the same positions."""
+    from deepinfer.runtime.sequence import SamplingParams
+    seqs = engine.generate(ps, SamplingParams(max_tokens=1, ignore_eos=True, logprobs=top))
+    with torch.inference_mode():
+        x = torch.tensor(ps, device=dev)
+        ref = torch.log_softmax(hf(x, logits_to_keep=1).logits[:, -1].float(), dim=-1).cpu()     # [n, V]
+    worst, agree, margins, spread = 0.0, 0, [], []
+    for s, r in zip(seqs, ref):
+        lp = s.output_logprobs[0]
+        ids = torch.tensor(list(lp))
+        worst = max(worst, float((torch.tensor(list(lp.values())) - r[ids]).abs().max()))
+        top2 = r.topk(2).values
+        spread.append(float(top2[0] - r.topk(top).values[-1]))
+        if max(lp, key=lp.get) == int(r.argmax()):
+            agree += 1
+        else:
+            margins.append(float(top2[0] - top2[1]))
+    text = (f"first-token logprobs, our top {top} vs transformers' (bf16 both, {len(ps)} prompts): max |d logprob| "
+            f"{worst:.3f} (transformers' top-1 to top-{top} spread {min(spread):.2f}-{max(spread):.2f}), top-1 "
+            f"agrees {agree}/{len(ps)}")
+    if margins:
+        text += f"; where it differs, transformers' own top-1/top-2 margin is {max(margins):.3f} at most"
+    return text
+
+
+def kernel_profiles(engine, dev: torch.device, vocab: int, prompt: int, out: Path | None) -> str:
+    """torch.profiler's per-kernel device times for a batch-1 and a batch-32 decode step (replayed as CUDA graphs:
+    what the TPOT rows run) and one prompt's prefill chunk, written to `out` (one file each); returns a summary."""
+    from torch.profiler import ProfilerActivity, profile
+    from deepinfer.runtime.sequence import SamplingParams
+    g = torch.Generator().manual_seed(13)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    summary = []
+    for label, b, length, k in (("decode_b1", 1, 1, 4), ("decode_b32", 32, 1, 4), (f"prefill_{prompt}", 1, prompt, 1)):
+        engine.generate(random_prompts(g, b, length, vocab), SamplingParams(max_tokens=k, ignore_eos=True))   # warm
+        sync(dev)
+        with profile(activities=acts) as prof:
+            engine.generate(random_prompts(g, b, length, vocab), SamplingParams(max_tokens=k, ignore_eos=True))
+            sync(dev)
+        ka = prof.key_averages()
+        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        table = ka.table(sort_by=key, row_limit=60, max_name_column_width=90)
+        total = sum(getattr(e, key) for e in ka) / 1e3
+        summary.append(f"{label}: {total:.1f} ms of {'device' if dev.type == 'cuda' else 'cpu'} time over "
+                       f"{k} steps")
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"profile_{label}.txt").write_text(table)
+    return "kernel profiles: " + "; ".join(summary)
 
 
 def region_tables(engine, dev: torch.device, vocab: int, prompt: int) -> str:
@@ -281,6 +337,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=0,
                     help="stop starting new measurements after this many seconds (0: no limit); the rows not "
                          "measured are listed as skipped")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the table, write torch.profiler's per-kernel tables (decode batch 1 and 32, a prompt) "
+                         "to DIR")
     ap.add_argument("--out", default=None, help="write the table (markdown) here, rewritten after every row")
     args = ap.parse_args()
     faulthandler.enable()            # a crash in native code still prints where it was
@@ -300,8 +359,8 @@ def main() -> None:
         cfg |= TINY
         ttft_lens, batches = (64, 256), (1, 4)
     try:
-        hf, engine, m = build(cfg, dev, decode=tuple(batches), prefill=(min(512, ttft_lens[-1]),),
-                              limit=max(ttft_lens) + 64 if not args.tiny else 512)
+        hf, engine, m = build(cfg, dev, decode=tuple(batches), prefill=ttft_lens,
+                              context=tuple(sorted({128, *ttft_lens[:-1]})), limit=max(ttft_lens) + 64)
         bw, roof = roofline(m, dev, batches)
     except BaseException as e:
         write([f"build failed after {time.monotonic() - t0:.0f} s: {type(e).__name__}: {e}"])
@@ -364,6 +423,14 @@ def main() -> None:
         except Exception as e:
             traceback.print_exc()
             notes.append(f"region timing failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+        print(notes[-1], flush=True)
+        write(lines)
+    if args.profile and not (args.budget_s and time.monotonic() - t0 > args.budget_s):
+        try:
+            notes.append(kernel_profiles(engine, dev, m.vocab_size, ttft_lens[0], Path(args.profile)))
+        except Exception as e:
+            traceback.print_exc()
+            notes.append(f"kernel profiles failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
         print(notes[-1], flush=True)
         write(lines)
     from torch._dynamo.utils import counters
