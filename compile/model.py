@@ -236,8 +236,8 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
     offset = torch.where(owned, slot_mapping % bs, 0)
     latent = torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype)              # [T, Dc]
     # Indexed by (block, offset), not through a flat view of the pool: torch 2.11's Inductor (the cuda backend's
-    # torch.compile) does not write through the view in place, but copies the whole pool twice a layer (2 of the
-    # 6.5 ms of a V2-Lite-size decode step on the H200); torch 2.13 handles both forms.
+    # torch.compile, and AOTInductor on the CPU alike) does not write through the view in place, but copies the
+    # whole pool twice a layer (2 of the 6.5 ms of a V2-Lite-size decode step on the H200); torch 2.13 handles both.
     kv_cache.index_put_((local_block, offset), latent)
 
     # Each row's pool blocks, in key order (the trash block where this CP rank owns none): [R, B].
