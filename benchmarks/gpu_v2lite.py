@@ -7,8 +7,9 @@ Builds the V2-Lite-size config (configs/v2lite-size/config.json) with random bf1
 device (no checkpoint on disk: 31 GB would not fit the call), converts transformers' tensors to our per-rank
 layout in memory with the compiler's own weight plan, exports our region graphs, compiles them at load
 (torch.compile of the exported programs: the path that works with torch 2.11 + CUDA 13, where loading
-AOTInductor packages segfaults), replays decode steps as CUDA graphs, and prints TTFT (512 and 2048-token
-prompts) and TPOT (batch 1, 8, 32) for both engines, with the bandwidth roofline beside each TPOT.
+AOTInductor packages segfaults), replays steps as CUDA graphs, and prints TTFT (512 and 2048-token prompts)
+and TPOT (batch 1, 8, 32) for both engines, with the bandwidth roofline beside each TPOT. After the first row it
+checks what it times (`check`); `--profile DIR` writes per-kernel tables; runs so far: GPU_RESULTS.md.
 
 Rows come in priority order (batch-1 TPOT, short TTFT, batch-32 TPOT, long TTFT, the rest) and the table is
 rewritten after each one, so a device call cut short by its time limit still returns what it measured;
@@ -228,18 +229,22 @@ class Transformers:
         return (tn - t1) / self.n
 
 
-def check(engine, hf, dev: torch.device, vocab: int, n: int = 8, k: int = 8) -> str:
-    """Are the timed numbers the right computation? n prompts of 32 tokens, k greedy tokens each: every decode
-    step's CUDA-graph replay against the same step launched kernel by kernel, and our tokens against
-    transformers' greedy `generate` on the same weights (bf16 both: near-ties may differ, so the common prefix
-    is reported, not asserted)."""
+def check(engine, hf, dev: torch.device, vocab: int, prompt: int, n: int = 8, k: int = 8) -> str:
+    """Are the timed numbers the right computation? n prompts of 32 tokens, k greedy tokens each, and two prompts of
+    `prompt` tokens (prefill chunks): every step's CUDA-graph replay against the same step launched kernel by
+    kernel; our first-token logprobs against transformers in fp32; our tokens against transformers' greedy
+    `generate` on the same weights (bf16 both: near-ties may differ, so the common prefix is reported, not
+    asserted)."""
     from deepinfer.runtime.sequence import SamplingParams
-    ps = random_prompts(torch.Generator().manual_seed(5), n, 32, vocab)
+    g = torch.Generator().manual_seed(5)
+    ps = random_prompts(g, n, 32, vocab)
     sg = engine.runner.step_graphs
     if sg is not None:
         sg.check, sg.checks = True, {}
     try:
         ours = [s.output_ids for s in engine.generate(ps, SamplingParams(max_tokens=k, ignore_eos=True))]
+        for _ in range(2):          # the second replays the captured prefill bucket with other inputs
+            engine.generate(random_prompts(g, 1, prompt, vocab), SamplingParams(max_tokens=2, ignore_eos=True))
     finally:
         if sg is not None:
             sg.check = False
@@ -259,10 +264,11 @@ def check(engine, hf, dev: torch.device, vocab: int, n: int = 8, k: int = 8) -> 
     if sg is None:
         parts.append("no CUDA graphs on this device")
     else:
-        parts += [f"CUDA-graph replay vs launches one by one, decode T={t} C={c}: max |dlogit| {w:.3g}, argmax agrees "
-                  f"{a:.0%} ({cnt} steps)" for (t, c), (w, a, cnt) in sorted(sg.checks.items())]
-        parts += [f"capture failed for decode T={t} C={c} (ran without a graph): {why[:160]}"
-                  for (t, c), why in sorted(sg.failed.items())]
+        parts += [f"CUDA-graph replay vs launches one by one, {kind} T={t} C={c} ({r} logit rows): max |dlogit| "
+                  f"{w:.3g}, argmax agrees {a:.0%} ({cnt} steps)"
+                  for (kind, t, c, r), (w, a, cnt) in sorted(sg.checks.items())]
+        parts += [f"capture failed for {kind} T={t} C={c} ({r} logit rows; ran without a graph): {why[:160]}"
+                  for (kind, t, c, r), why in sorted(sg.failed.items())]
     return "check: " + "; ".join(parts)
 
 
@@ -396,7 +402,7 @@ def main() -> None:
         write([f"build failed after {time.monotonic() - t0:.0f} s: {type(e).__name__}: {e}"])
         raise
     if args.check_only:
-        print(check(engine, hf, dev, m.vocab_size), flush=True)
+        print(check(engine, hf, dev, m.vocab_size, ttft_lens[0]), flush=True)
         return
     ours = Ours(engine, dev, m.vocab_size, args.tokens)
     ref = None if args.skip_hf else Transformers(hf, dev, m.vocab_size, args.tokens)
@@ -444,7 +450,7 @@ def main() -> None:
               flush=True)
         if (what, x) == plan[0] and not (args.budget_s and time.monotonic() - t0 > args.budget_s):
             try:        # right after the first row: its graphs are compiled and captured
-                notes.append(check(engine, None if args.skip_hf else hf, dev, m.vocab_size))
+                notes.append(check(engine, None if args.skip_hf else hf, dev, m.vocab_size, ttft_lens[0]))
             except Exception as e:
                 traceback.print_exc()
                 notes.append(f"check failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")

@@ -1,11 +1,14 @@
-"""Whole decode steps replayed as CUDA graphs: one graph per (tokens, context) decode bucket.
+"""Whole steps replayed as CUDA graphs: one graph per (kind, tokens, context, logit rows) shape.
 
-A decode step is every region graph of every layer, launched back to back; captured once, it replays
-as one launch, so the host's per-kernel launch gaps disappear. Inputs go through static buffers
-(copied in before each replay); the KV pools and weights are already static device tensors. The grouped
-MoE path makes no host syncs (the grouped GEMM reads its offsets on the device), so it captures too. Prefill
-chunks are not captured: each is one long step where launch gaps matter little, and on the static MoE path
-they read each layer's overflow flag on the host.
+A step is every region graph of every layer, launched back to back; captured once, it replays as one launch,
+so the host's per-kernel launch gaps disappear. Inputs go through static buffers (copied in before each
+replay); the KV pools and weights are already static device tensors. The grouped MoE path makes no host syncs
+(the grouped GEMM reads its offsets on the device), so decode steps and prefill chunks both capture. On the
+static MoE path prefill chunks read each layer's overflow flag on the host, so there only decode steps do.
+
+Why prefill too: a 512-token chunk of the V2-Lite-size model ran 17 ms of kernels on the H200 but took
+30-52 ms launched one by one (host-bound: ~1000 kernel launches through Python), against transformers'
+46-67 ms; a 2048-token chunk (45 ms) is kernel-bound either way.
 """
 
 from __future__ import annotations
@@ -14,23 +17,28 @@ import logging
 
 import torch
 
-from ..common.manifest import DECODE
+from ..common.manifest import DECODE, PREFILL
 from .model_runner import ModelRunner, StepInputs
 
 log = logging.getLogger("deepinfer")
+
+Key = tuple[str, int, int, int]     # (step kind, token bucket, context bucket, logit rows)
+# Logit rows are part of the shape: a prefill chunk's head takes 1 row, one per packed prompt, or every row
+# (prompt logprobs), each its own head graph (model_runner.build_inputs)
 
 
 class StepGraphs:
     def __init__(self, runner: ModelRunner, warmup: int = 2):
         self.runner = runner
         self.warmup = warmup
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
-        self.failed: dict[tuple[int, int], str] = {}     # buckets whose capture failed: launched one by one
-        self.pool = torch.cuda.graph_pool_handle()
+        self.kinds = {DECODE} if runner.static_moe else {DECODE, PREFILL}
+        self.graphs: dict[Key, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
+        self.failed: dict[Key, str] = {}     # buckets whose capture failed: launched one by one
+        self.pool = torch.cuda.graph_pool_handle()   # one pool: the graphs replay one at a time
         # check=True: every replay is compared with the same step launched one by one (the KV writes repeat the
         # same values); per bucket, the worst |logit difference| and the share of rows whose argmax agrees
         self.check = False
-        self.checks: dict[tuple[int, int], tuple[float, float, int]] = {}
+        self.checks: dict[Key, tuple[float, float, int]] = {}
 
     def _capture(self, si: StepInputs):
         r = self.runner
@@ -40,37 +48,40 @@ class StepGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self.warmup):           # compile and autotune outside the capture
-                r.forward(DECODE, si.tokens, si.context, *static)
+                r.forward(si.kind, si.tokens, si.context, *static)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         # thread_local: the server's other threads may touch CUDA (a tokenizer, metrics) while this one captures
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = r.forward(DECODE, si.tokens, si.context, *static)
+            out = r.forward(si.kind, si.tokens, si.context, *static)
         return g, static, out
 
     def _launched(self, si: StepInputs) -> torch.Tensor:
         """The step without a graph: its kernels launched one by one."""
         r = self.runner
-        return r.forward(DECODE, si.tokens, si.context, *r.to_device(si))
+        return r.forward(si.kind, si.tokens, si.context, *r.to_device(si))
 
     def run(self, si: StepInputs) -> torch.Tensor:
-        key = (si.tokens, si.context)
-        if key in self.failed:
+        key = (si.kind, si.tokens, si.context, len(si.logit_indices))
+        if si.kind not in self.kinds or key in self.failed:
             return self._launched(si)
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(si)
             except torch.AcceleratorError:
                 raise                    # a device fault is not a capture problem
-            except Exception as e:      # once per bucket, not at every step: that bucket runs without a graph
+            except Exception as e:      # once per shape, not at every step: that shape runs without a graph
                 self.failed[key] = f"{type(e).__name__}: {e}"
-                log.warning("decode bucket %s: CUDA-graph capture failed (%s); its steps launch kernel by kernel",
-                            key, self.failed[key][:300])
+                log.warning("%s step T=%d C=%d with %d logit rows: CUDA-graph capture failed (%s); such steps "
+                            "launch kernel by kernel", *key, self.failed[key][:300])
                 return self._launched(si)
         g, static, out = self.graphs[key]
-        # context_starts is a prefill-only input: its static buffer exists for forward()'s signature only
-        for buf, src in zip(static, (si.token_ids, si.positions, si.slot_mapping, si.block_tables,
-                                     si.logit_indices)):
+        # context_starts is a prefill-only input: in decode graphs its static buffer exists for forward()'s
+        # signature only
+        srcs = (si.token_ids, si.positions, si.slot_mapping, si.block_tables, si.logit_indices)
+        if si.kind == PREFILL:
+            srcs += (si.context_starts,)
+        for buf, src in zip(static, srcs):
             buf.copy_(torch.from_numpy(src), non_blocking=True)
         g.replay()
         if self.check:

@@ -148,7 +148,7 @@ class ModelRunner:
                 self.layer_weights[region] = {
                     i: {w.key: weights[w.source.format(layer=i)] for w in g.weights} for i in layers}
         self.dense_layers = [i for i in range(self.num_layers) if not m.is_moe_layer(i)]
-        self.step_graphs = None              # CUDA: whole decode steps replayed as CUDA graphs
+        self.step_graphs = None              # CUDA: whole steps replayed as CUDA graphs (cuda_graphs.py)
         for name, fn in graphs.items():      # backends whose graphs hold weights as device state (Neuron)
             if hasattr(fn, "bind"):
                 region = entries[name].region
@@ -176,7 +176,7 @@ class ModelRunner:
         CUDA they are the step graph's output buffer."""
         if self.timer is not None:
             self.timer.steps[si.kind] = self.timer.steps.get(si.kind, 0) + 1
-        if self.step_graphs is not None and si.kind == DECODE:
+        if self.step_graphs is not None:
             logits = self.step_graphs.run(si)
         else:
             logits = self.forward(si.kind, si.tokens, si.context, *self.to_device(si))
