@@ -283,11 +283,17 @@ def first_logprobs(engine, hf, dev: torch.device, ps: list[list[int]], top: int 
     x = torch.tensor(ps, device=dev)
     with torch.inference_mode():
         bf = torch.log_softmax(hf(x, logits_to_keep=1).logits[:, -1].float(), dim=-1).cpu()     # [n, V]
+        # transformers' eager experts for the fp32 pass: its grouped_mm path is meant for bf16 (CUDA's grouped GEMM)
+        experts = hf.get_experts_implementation() if hasattr(hf, "get_experts_implementation") else None
         hf.float()
         try:
+            if experts is not None:
+                hf.set_experts_implementation("eager")
             f32 = torch.log_softmax(hf(x, logits_to_keep=1).logits[:, -1].float(), dim=-1).cpu()
         finally:
             hf.to(torch.bfloat16)
+            if experts is not None:
+                hf.set_experts_implementation(experts)
     ours_d, theirs_d, ours_top, theirs_top = [], [], 0, 0
     for s, b, f in zip(seqs, bf, f32):
         lp = s.output_logprobs[0]
