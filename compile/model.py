@@ -271,7 +271,7 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
             # rounded to bf16 they moved first-token logprobs by up to 1.3 against transformers in fp32 (V2-Lite
             # widths, 3 layers, random weights: 3 of 8 prompts), in fp32 by at most 0.04 (transformers' bf16: 0.65)
             scores = torch.bmm(q_abs.float(), ctx.float().transpose(1, 2))                # [T, H, C]
-            scores = scores.float().mul(m.softmax_scale).masked_fill(mask, float("-inf"))
+            scores = scores.mul(m.softmax_scale).masked_fill(mask, float("-inf"))
             c_ctx = ctx[..., :kvr]
             o_lat = _attend(spec, scores, lambda p: torch.bmm(p.to(c_ctx.dtype), c_ctx).float(), comm)
         o = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), as_compute(w["attn.w_uv"], x))
