@@ -32,6 +32,17 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     sync, so it stays CUDA-graph safe)."""
     if _few_rows_kernel(x, w, offs):
         return torch.ops.deepinfer_cpu.grouped_rows_mm(x, w.transpose(1, 2), offs)
+    from . import cuda_kernels
+    key = ("triton_grouped_rows_mm", x.dtype)
+    if key not in _NATIVE_FAILED and cuda_kernels.available(x):
+        try:
+            return cuda_kernels.grouped_rows_mm(x, w, offs)
+        except Exception as e:  # Triton's compile errors have no common base class
+            if isinstance(e, torch.AcceleratorError) or torch.cuda.is_current_stream_capturing():
+                raise
+            _NATIVE_FAILED.add(key)
+            log.warning("the Triton grouped GEMM for few rows does not run here (%s); torch._grouped_mm takes them",
+                        str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
     return grouped_mm_torch(x, w, offs)
 
 
