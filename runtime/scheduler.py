@@ -5,6 +5,7 @@ the artifact holds."""
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -99,6 +100,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._prefill_streak = 0      # consecutive prefill chunks while decode-ready sequences waited
+        self._packing_burst = False   # this step's prefill chunk packs a burst of short prompts: see _burst()
         self._step_cost: dict[tuple[int, int], float] = {}     # decode seconds per (T, C): see observe()
         self._shapes_seen: set[tuple[int, int]] = set()
         self._cost_at: dict[tuple[int, int], int] = {}       # the decode step that last measured a shape
@@ -148,6 +150,7 @@ class Scheduler:
         return step
 
     def _prefill_candidate(self) -> Sequence | None:
+        self._packing_burst = False
         if not self.cfg.prefill_buckets:
             return None
         for s in self.running:
@@ -156,7 +159,22 @@ class Scheduler:
         for s in self.waiting:
             if self._pending(s) > self.cfg.prompt_as_decode_limit:
                 return s if len(self.running) < self.cfg.max_num_seqs else None
-        return None
+        return self._burst()
+
+    def _burst(self) -> Sequence | None:
+        """The first waiting prompt when the short prompts that could start now hold more tokens than the next
+        decode step has room for: then they go packed into prefill chunks rather than a decode step's worth at a
+        time. A burst of 32 prompts of 32 tokens took 32 decode steps for their first tokens (the largest decode
+        bucket, 32 tokens, holds one such prompt), where two packed 512-token chunks hold them all."""
+        limit = self.cfg.prompt_as_decode_limit
+        room = max(self.cfg.decode_buckets) - sum(min(s.num_uncomputed, limit) for s in self.running
+                                                  if s.num_uncomputed <= limit)
+        slots = self.cfg.max_num_seqs - len(self.running)
+        short = list(itertools.islice(self.waiting, max(slots, 0)))
+        if not short or sum(self._pending(s) for s in short) <= room:
+            return None
+        self._packing_burst = True
+        return short[0]
 
     def _pending(self, seq: Sequence) -> int:
         """Tokens a sequence has left to compute; a waiting one would start after its cached prefix."""
@@ -232,10 +250,11 @@ class Scheduler:
         return ScheduledStep("prefill", bucket, self._context_bucket(max(span, bucket)), tuple(entries))
 
     def _prefill_queue(self, first: Sequence):
-        """Prompts, other than `first`, too long for a decode step: running ones, then waiting ones in order
-        (lazily: packing usually stops after a few)."""
+        """Prompts, other than `first`, too long for a decode step (in a burst of short prompts, every waiting
+        one): running ones, then waiting ones in order (lazily: packing usually stops after a few)."""
         limit = self.cfg.prompt_as_decode_limit
-        return (s for s in (*self.running, *self.waiting) if s is not first and self._pending(s) > limit)
+        return (s for s in (*self.running, *self.waiting) if s is not first and (
+            self._pending(s) > limit or (self._packing_burst and s.status is Status.WAITING)))
 
     def _span(self, tokens: int) -> int:
         """Context slots a sequence of `tokens` takes in a packed prefill row: whole blocks."""

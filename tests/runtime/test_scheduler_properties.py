@@ -197,6 +197,33 @@ def test_short_prompts_share_a_prefill_chunk():
     assert all(s.status is Status.FINISHED and len(s.output_ids) == 2 for s in seqs)
 
 
+def test_a_burst_of_short_prompts_is_packed_into_prefill_chunks():
+    """Prompts short enough for decode steps but more of them than one decode step holds go packed into prefill
+    chunks: sixteen 8-token prompts (decode bucket 8 holds one) take two 64-token chunks, not sixteen steps; a
+    few that fit the next decode step stay in it."""
+    cfg = SchedulerConfig(decode_buckets=(1, 8), prefill_buckets=(32, 64), context_buckets=(64, 256),
+                          context_limit=256, block_size=8, num_blocks=64, prefix_caching=False)
+    sched = Scheduler(cfg)
+    seqs = [Sequence([3 + i] * 8, SamplingParams(max_tokens=2)) for i in range(16)]
+    for s in seqs:
+        sched.add(s)
+    kinds = []
+    while any(not s.output_ids for s in seqs):
+        step = sched.schedule()
+        kinds.append((step.kind, step.tokens, len(step.entries)))
+        fake_step(sched, step)
+    # at most 8 sequences run at once (the largest decode bucket): 8 prompts a chunk, then their decode step,
+    # which finishes them, then the other 8 (two 32-token chunks here would pad to the same 64)
+    assert kinds == [("prefill", 64, 8), ("decode", 8, 8), ("prefill", 64, 8)], kinds
+
+    sched = Scheduler(cfg)
+    few = [Sequence([3] * 3, SamplingParams(max_tokens=2)) for _ in range(2)]
+    for s in few:
+        sched.add(s)
+    step = sched.schedule()
+    assert step.kind == "decode" and [e.num_tokens for e in step.entries] == [3, 3]
+
+
 def _cfg(**kw) -> SchedulerConfig:
     base = dict(decode_buckets=(1, 2, 4), prefill_buckets=(16, 32), context_buckets=(64, 128), context_limit=128,
                 block_size=16, num_blocks=12)
@@ -215,7 +242,7 @@ def _drain(sched: Scheduler) -> list:
 def test_a_prompt_starts_after_its_cached_prefix():
     """A prompt that repeats an earlier one computes only what follows its cached full blocks (in a decode step
     when that is short), always its last token (its logits are wanted)."""
-    sched = Scheduler(_cfg(decode_buckets=(1, 4, 16)))
+    sched = Scheduler(_cfg(decode_buckets=(1, 4, 32)))
     shared = list(range(1, 41))
     first = Sequence(shared + [90], SamplingParams(max_tokens=3))
     sched.add(first)
@@ -230,7 +257,7 @@ def test_a_prompt_starts_after_its_cached_prefix():
     sched.add(exact)
     step = sched.schedule()
     assert step.kind == "decode" and [(e.seq, e.start, e.num_tokens) for e in step.entries] == [
-        (again, 32, 10), (exact, 16, 6)]      # exact's second block holds its last token: computed again
+        (again, 32, 10), (exact, 16, 16)]     # exact's second block holds its last token: computed again
     assert again.block_table[:2] == first_blocks and exact.block_table[0] == first_blocks[0]
     assert sched.blocks.refs[first_blocks[0]] == 2
     assert (again.num_cached_tokens, exact.num_cached_tokens) == (32, 16)
