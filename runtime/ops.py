@@ -35,38 +35,46 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     if _few_rows_kernel(x, w, offs):
         return torch.ops.deepinfer_cpu.grouped_rows_mm(x, w.transpose(1, 2), offs)
     from . import cuda_kernels
-    key = ("triton_grouped_rows_mm", x.dtype)
-    if key not in _NATIVE_FAILED and cuda_kernels.available(x):
-        try:
-            return cuda_kernels.grouped_rows_mm(x, w, offs)
-        except Exception as e:  # Triton's compile errors have no common base class
-            if isinstance(e, torch.AcceleratorError) or torch.cuda.is_current_stream_capturing():
-                raise
-            _NATIVE_FAILED.add(key)
-            log.warning("the Triton grouped GEMM for few rows does not run here (%s); torch._grouped_mm takes them",
-                        str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+    if cuda_kernels.available(x):
+        out = _native(("triton_grouped_rows_mm", x.dtype), x, lambda: cuda_kernels.grouped_rows_mm(x, w, offs),
+                      Exception,  # Triton's compile errors have no common base class
+                      "the Triton grouped GEMM for few rows does not run here (%s); torch._grouped_mm takes them")
+        if out is not None:
+            return out
     return grouped_mm_torch(x, w, offs)
+
+
+def _native(key: tuple[str, torch.dtype], x: torch.Tensor, run, errors, warning: str) -> torch.Tensor | None:
+    """run() unless it failed here before; None when it fails or failed. The first failure marks `key`, so later
+    calls go straight to the caller's portable path, and logs `warning` (one %s: the error's first line). A device
+    fault (AcceleratorError) or a failure inside a CUDA-graph capture says nothing about whether the op runs
+    here: those go up as they are."""
+    if key in _NATIVE_FAILED:
+        return None
+    try:
+        return run()
+    except errors as e:
+        if isinstance(e, torch.AcceleratorError) or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            raise
+        _NATIVE_FAILED.add(key)
+        log.warning(warning, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+        return None
 
 
 def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """deepinfer::grouped_mm with torch's ops only: torch._grouped_mm where it runs, else a masked loop.
     Weights stored narrower than x (bf16 weights, fp32 math) are widened first."""
     w = w.to(x.dtype)
-    key = (x.device.type, x.dtype)
-    if key not in _NATIVE_FAILED and hasattr(torch, "_grouped_mm"):
-        try:
+    if hasattr(torch, "_grouped_mm"):
+        def native():
             if _swap_operands(x, w):
                 return torch._grouped_mm(w.transpose(1, 2), x.t(), offs=offs).t().contiguous()
             return torch._grouped_mm(x, w, offs=offs)
-        except (RuntimeError, NotImplementedError) as e:
-            # a device fault (AcceleratorError) or a failure inside a CUDA-graph capture says nothing about
-            # whether the op runs here: it goes up as it is
-            if isinstance(e, torch.AcceleratorError) or (
-                    x.is_cuda and torch.cuda.is_current_stream_capturing()):
-                raise
-            _NATIVE_FAILED.add(key)
-            log.warning("torch._grouped_mm does not run for %s %s here (%s); the MoE experts take a masked loop "
-                        "(a full GEMM per expert: correct, much slower)", *key, str(e).splitlines()[0][:200])
+        out = _native((x.device.type, x.dtype), x, native, (RuntimeError, NotImplementedError),
+                      f"torch._grouped_mm does not run for {x.device.type} {x.dtype} here (%s); the MoE experts "
+                      "take a masked loop (a full GEMM per expert: correct, much slower)")
+        if out is not None:
+            return out
     rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
     group = torch.searchsorted(offs, rows, right=True)                      # [M], G = past the last group
     out = x.new_zeros(x.shape[0], w.shape[-1])
@@ -81,16 +89,13 @@ def scores_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     torch.bmm(a.float(), b.float()). On CUDA one GEMM reads the narrow operands as they are (torch.bmm's out_dtype,
     tensor cores, fp32 accumulator and result); widening them first takes cuBLAS's fp32 FFMA kernel instead, with
     twice the operand bytes (52 us against a few for a V2-Lite decode layer's scores on the H200)."""
-    key = ("scores_bmm", a.dtype)
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and key not in _NATIVE_FAILED:
-        try:
-            return torch.bmm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError, NotImplementedError) as e:
-            if isinstance(e, torch.AcceleratorError) or torch.cuda.is_current_stream_capturing():
-                raise
-            _NATIVE_FAILED.add(key)
-            log.warning("torch.bmm with out_dtype does not run for %s here (%s); the decode scores widen their "
-                        "operands first (same sums, slower)", a.dtype, str(e).splitlines()[0][:200])
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        out = _native(("scores_bmm", a.dtype), a, lambda: torch.bmm(a, b, out_dtype=torch.float32),
+                      (RuntimeError, TypeError, NotImplementedError),
+                      f"torch.bmm with out_dtype does not run for {a.dtype} here (%s); the decode scores widen "
+                      "their operands first (same sums, slower)")
+        if out is not None:
+            return out
     return torch.bmm(a.float(), b.float())
 
 

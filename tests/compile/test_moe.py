@@ -171,6 +171,38 @@ def test_grouped_mm_fallback_matches_native():
     assert torch.count_nonzero(out[9:]) == 0
 
 
+def test_grouped_mm_native_failure_falls_back_once(monkeypatch, caplog):
+    """torch._grouped_mm failing here (an unsupported dtype or device) marks it failed, warns once and takes the
+    masked loop from then on; a device fault is not such a verdict: it goes up and marks nothing."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(2, 4, 3, generator=g, dtype=torch.float64)
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    ref = torch.cat([x[:2] @ w[0], x[2:] @ w[1]])
+    key = (x.device.type, x.dtype)
+    calls = []
+
+    def fails(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("grouped_mm: no kernel for Double\nsecond line")
+    monkeypatch.setattr(torch, "_grouped_mm", fails)
+    try:
+        with caplog.at_level("WARNING", logger="deepinfer"):
+            torch.testing.assert_close(ops.grouped_mm_torch(x, w, offs), ref)
+            torch.testing.assert_close(ops.grouped_mm_torch(x, w, offs), ref)
+        assert key in ops._NATIVE_FAILED and len(calls) == 1
+        warnings = [r.getMessage() for r in caplog.records if "torch._grouped_mm does not run" in r.getMessage()]
+        assert len(warnings) == 1 and "no kernel for Double" in warnings[0] and "second line" not in warnings[0]
+    finally:
+        ops._NATIVE_FAILED.discard(key)
+
+    def faults(*args, **kwargs):
+        raise torch.AcceleratorError("device-side assert")
+    monkeypatch.setattr(torch, "_grouped_mm", faults)
+    with pytest.raises(torch.AcceleratorError):
+        ops.grouped_mm_torch(x, w, offs)
+    assert key not in ops._NATIVE_FAILED
+
+
 def test_grouped_mm_swapped_operands_match(monkeypatch):
     """Groups of a few rows of a big weight run with the operands swapped on the CPU; same rows either way."""
     g = torch.Generator().manual_seed(1)
