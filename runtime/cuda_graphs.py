@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from ..common.manifest import DECODE, PREFILL
@@ -32,7 +33,7 @@ class StepGraphs:
         self.runner = runner
         self.warmup = warmup
         self.kinds = {DECODE} if runner.static_moe else {DECODE, PREFILL}
-        self.graphs: dict[Key, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
+        self.graphs: dict[Key, tuple[torch.cuda.CUDAGraph, _Staged, torch.Tensor]] = {}
         self.failed: dict[Key, str] = {}     # buckets whose capture failed: launched one by one
         self.pool = torch.cuda.graph_pool_handle()   # one pool: the graphs replay one at a time
         # check=True: every replay is compared with the same step launched one by one (the KV writes repeat the
@@ -42,7 +43,8 @@ class StepGraphs:
 
     def _capture(self, si: StepInputs):
         r = self.runner
-        static = tuple(t.clone() for t in r.to_device(si))
+        staged = _Staged(_host_inputs(si), r.device)
+        static = staged.views
         static[2].fill_(-1)                         # slot_mapping: warm-up and capture write only the trash block
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -54,7 +56,7 @@ class StepGraphs:
         # thread_local: the server's other threads may touch CUDA (a tokenizer, metrics) while this one captures
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             out = r.forward(si.kind, si.tokens, si.context, *static)
-        return g, static, out
+        return g, staged, out
 
     def _launched(self, si: StepInputs) -> torch.Tensor:
         """The step without a graph: its kernels launched one by one."""
@@ -75,14 +77,8 @@ class StepGraphs:
                 log.warning("%s step T=%d C=%d with %d logit rows: CUDA-graph capture failed (%s); such steps "
                             "launch kernel by kernel", *key, self.failed[key][:300])
                 return self._launched(si)
-        g, static, out = self.graphs[key]
-        # context_starts is a prefill-only input: in decode graphs its static buffer exists for forward()'s
-        # signature only
-        srcs = (si.token_ids, si.positions, si.slot_mapping, si.block_tables, si.logit_indices)
-        if si.kind == PREFILL:
-            srcs += (si.context_starts,)
-        for buf, src in zip(static, srcs):
-            buf.copy_(torch.from_numpy(src), non_blocking=True)
+        g, staged, out = self.graphs[key]
+        staged.load(_host_inputs(si))
         g.replay()
         if self.check:
             n = si.num_logits
@@ -93,3 +89,34 @@ class StepGraphs:
             worst, low, count = self.checks.get(key, (0.0, 1.0, 0))
             self.checks[key] = (max(worst, diff), min(low, agree), count + 1)
         return out
+
+
+def _host_inputs(si: StepInputs) -> tuple[np.ndarray, ...]:
+    """The step's inputs in forward()'s order. context_starts is a prefill-only input: decode graphs carry its
+    buffer for forward()'s signature only."""
+    return si.token_ids, si.positions, si.slot_mapping, si.block_tables, si.logit_indices, si.context_starts
+
+
+class _Staged:
+    """A graph's static inputs as views of one device buffer, filled from one pinned host buffer by one copy: a
+    replay's inputs cost one host-to-device transfer, not six (each from pageable memory a staged, synchronous
+    cudaMemcpy of its own on the host's side of the step)."""
+
+    def __init__(self, arrays: tuple[np.ndarray, ...], device: torch.device):
+        self.shapes = [a.shape for a in arrays]
+        self.sizes = [a.size for a in arrays]
+        total = sum(self.sizes)
+        cuda = device.type == "cuda"
+        self.host = torch.empty(total, dtype=torch.int64, pin_memory=cuda)
+        self.device = torch.empty(total, dtype=torch.int64, device=device)
+        self.views = tuple(part.view(shape) for part, shape in zip(self.device.split(self.sizes), self.shapes))
+        self.copied = torch.cuda.Event() if cuda else None    # the last copy out of `host` has finished
+        self.load(arrays)
+
+    def load(self, arrays: tuple[np.ndarray, ...]) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()        # the previous step's copy (long done: its logits were read since)
+        np.concatenate([a.reshape(-1) for a in arrays], out=self.host.numpy())
+        self.device.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
