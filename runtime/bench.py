@@ -33,7 +33,9 @@ def pct(xs: list[float], q: float) -> float:
 
 # -- offline -----------------------------------------------------------------------------------------
 def offline(artifact: str, prompt_lens: list[int], concurrency: list[int], max_tokens: int, seed: int,
-            device: str = "cpu", prefix_len: int = 0, prefix_caching: bool = True) -> list[dict]:
+            device: str = "cpu", prefix_len: int = 0, prefix_caching: bool = True,
+            sampling: dict | None = None) -> list[dict]:
+    """sampling: temperature, top_p, top_k for every request (default greedy)."""
     from .engine import Engine
     from .sequence import SamplingParams
     engine = Engine.from_artifact(artifact, device=device, prefix_caching=prefix_caching)
@@ -48,7 +50,7 @@ def offline(artifact: str, prompt_lens: list[int], concurrency: list[int], max_t
                     continue
                 prompts = random_prompts(conc, plen, vocab, seed, 2, plen, conc, prefix_len=prefix_len)
                 hits = engine.scheduler.blocks.hits
-                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {}))
                 t0 = time.monotonic()
                 seqs = [engine.add_request(p, params) for p in prompts]
                 done_at: dict[int, float] = {}
@@ -115,7 +117,8 @@ async def _one(client, url: str, body: dict, headers: dict) -> Result:
 
 
 async def _online(base_url: str, model: str | None, prompt_len: int, max_tokens: int, num_requests: int,
-                  concurrency: int, seed: int, api_key: str | None, vocab: int, prefix_len: int = 0) -> dict:
+                  concurrency: int, seed: int, api_key: str | None, vocab: int, prefix_len: int = 0,
+                  sampling: dict | None = None) -> dict:
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
@@ -127,7 +130,8 @@ async def _online(base_url: str, model: str | None, prompt_len: int, max_tokens:
         async def run(p):
             async with sem:
                 body = {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
-                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                        **(sampling or {})}
                 return await _one(client, base_url + "/v1/completions", body, headers)
 
         t0 = time.perf_counter()
@@ -154,6 +158,12 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(out)
 
 
+def _sampling_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--temperature", type=float, default=None, help="every request's (default 0: greedy)")
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--top-k", type=int, default=None)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="deepinfer-bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -168,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     off.add_argument("--prefix-len", type=int, default=0, help="the prompts of a row share this many first tokens")
     off.add_argument("--no-prefix-caching", action="store_true")
     off.add_argument("--json", action="store_true")
+    _sampling_flags(off)
     on = sub.add_parser("online", help="drive a running server with concurrent streaming requests")
     on.add_argument("--base-url", default="http://127.0.0.1:8000")
     on.add_argument("--model", default=None)
@@ -181,17 +192,20 @@ def main(argv: list[str] | None = None) -> None:
     on.add_argument("--prefix-len", type=int, default=0, help="all prompts share this many first tokens")
     on.add_argument("--api-key", default=None)
     on.add_argument("--json", action="store_true")
+    _sampling_flags(on)
     a = ap.parse_args(argv)
+    sampling = {k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("top_k", a.top_k))
+                if v is not None}
     if a.mode == "offline":
         rows = offline(a.artifacts, [int(x) for x in a.prompt_lens.split(",")],
                        [int(x) for x in a.concurrency.split(",")], a.max_tokens, a.seed, a.device, a.prefix_len,
-                       not a.no_prefix_caching)
+                       not a.no_prefix_caching, sampling)
         print(json.dumps(rows) if a.json else table(rows, ["prompt_len", "concurrency", "ttft_ms_median",
                                                             "ttft_ms_p99", "tpot_ms_median", "tpot_ms_p99",
                                                             "output_tok_s", "cached_pct"]))
     else:
         r = asyncio.run(_online(a.base_url, a.model, a.prompt_len, a.max_tokens, a.num_requests, a.concurrency,
-                                a.seed, a.api_key, a.vocab, a.prefix_len))
+                                a.seed, a.api_key, a.vocab, a.prefix_len, sampling))
         print(json.dumps(r) if a.json else table([r], ["requests", "concurrency", "completed", "failed",
                                                        "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median",
                                                        "tpot_ms_p99", "itl_ms_median", "itl_ms_p99",

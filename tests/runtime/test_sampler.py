@@ -1,0 +1,96 @@
+"""The batched sampler against its plain definition (`sampling_probs`): the distribution each path draws from
+(no filter, top-k, top-p over the candidates, top-p past them), a row's draw independent of its batch, and no
+draw of a token the filters or the logits processing ruled out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.runtime import sampler
+from deepinfer.runtime.sampler import sample, sample_rows, sampling_probs
+from deepinfer.runtime.sequence import SamplingParams, Sequence
+
+V = 12
+DRAWS = 20000
+
+
+def _frequencies(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    toks = sample_rows(row.expand(DRAWS, -1), [temperature] * DRAWS, [top_k] * DRAWS, [top_p] * DRAWS, [g] * DRAWS)
+    return torch.bincount(toks, minlength=row.numel()).float() / DRAWS
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0),            # no filter: the whole row
+    (0.7, 5, 1.0),            # top-k: its k largest
+    (1.3, 0, 0.8),            # top-p over the candidates (a peaked row) or past them (a flat one)
+    (1.0, 6, 0.6),            # both
+    (0.5, V, 0.95),           # k = V is no top-k
+])
+@pytest.mark.parametrize("flat", [False, True])
+def test_draws_follow_the_reference_distribution(monkeypatch, temperature, top_k, top_p, flat):
+    monkeypatch.setattr(sampler, "CANDIDATES", 4)     # a flat row's nucleus reaches past 4 candidates
+    g = torch.Generator().manual_seed(1)
+    row = torch.randn(V, generator=g) * (0.3 if flat else 3.0)
+    want = sampling_probs(row, temperature, top_k, top_p)
+    got = _frequencies(row, temperature, top_k, top_p)
+    assert torch.allclose(got, want, atol=0.015), (got, want)
+    assert bool((got[want == 0] == 0).all())
+
+
+def test_a_rows_draw_does_not_depend_on_its_batch():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 300, generator=g) * 2
+    params = [(0.8, 0, 1.0), (1.0, 40, 1.0), (0.9, 0, 0.9), (1.1, 250, 0.7), (0.6, 7, 0.5), (1.0, 0, 0.99)]
+
+    def draw(rows: list[int]) -> list[int]:
+        ts, ks, ps = zip(*(params[i] for i in rows))
+        gens = [torch.Generator().manual_seed(100 + i) for i in rows]
+        return sample_rows(logits[rows], list(ts), list(ks), list(ps), gens).tolist()
+    alone = [draw([i])[0] for i in range(6)]
+    assert draw(list(range(6))) == alone
+    assert draw([5, 3, 1]) == [alone[5], alone[3], alone[1]]
+
+
+def test_the_draw_never_lands_on_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]])
+    for u in (0.0, 0.5, 1.0 - 2 ** -24, 1.0):        # 1.0: u x total rounded up to the total
+        assert int(sampler._draw(probs, torch.tensor([u]))[0]) in (1, 3)
+
+
+def test_processed_and_filtered_rows_in_one_batch():
+    """Greedy, sampled, logprobs and a logit bias that rules out all but two tokens, in one call: each row as if
+    alone; the biased row only ever draws its two tokens; logprobs are the model's (before the bias)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 50, generator=g)
+    bias = tuple((t, -1e9) for t in range(50) if t not in (7, 9))
+    seqs = [Sequence([1], SamplingParams(max_tokens=2)),
+            Sequence([1], SamplingParams(max_tokens=2, temperature=1.0, logit_bias=bias, seed=4)),
+            Sequence([1], SamplingParams(max_tokens=2, temperature=0.9, top_p=0.9, logprobs=3, seed=5))]
+    tokens, lps, tops = sample(logits, seqs)
+    assert tokens[0] == int(logits[0].argmax()) and tokens[1] in (7, 9)
+    ref = torch.log_softmax(logits[2], -1)
+    assert lps[2] == pytest.approx(float(ref[tokens[2]]), abs=1e-6)
+    assert list(tops[2]) == ref.topk(3).indices.tolist()
+    alone = sample(logits[2:], [Sequence([1], SamplingParams(max_tokens=2, temperature=0.9, top_p=0.9, logprobs=3,
+                                                             seed=5))])
+    assert alone[0][0] == tokens[2]
+    assert lps[0] == 0.0 and tops[0] == {}
+
+
+def test_the_offline_benchmark_takes_sampling_flags(checkpoints, compile_artifact, capsys, monkeypatch):
+    """deepinfer-bench offline --temperature/--top-p/--top-k: every request samples with them, and the table
+    comes out."""
+    from deepinfer.runtime import bench
+    from deepinfer.runtime.engine import Engine
+    art = compile_artifact(checkpoints["base"])
+    seen = []
+    add = Engine.add_request
+    monkeypatch.setattr(Engine, "add_request", lambda self, ids, params: seen.append(params) or add(self, ids, params))
+    bench.main(["offline", str(art), "--prompt-lens", "6", "--concurrency", "3", "--max-tokens", "5",
+                "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--json"])
+    import json
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 1 and rows[0]["concurrency"] == 3 and rows[0]["output_tok_s"] > 0
+    assert len(seen) == 4 and all((p.temperature, p.top_p, p.top_k) == (0.8, 0.9, 20) for p in seen[1:])  # a warm-up first
