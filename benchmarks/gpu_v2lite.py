@@ -8,7 +8,8 @@ device (no checkpoint on disk: 31 GB would not fit the call), converts transform
 layout in memory with the compiler's own weight plan, exports our region graphs, compiles them at load
 (torch.compile of the exported programs: the path that works with torch 2.11 + CUDA 13, where loading
 AOTInductor packages segfaults), replays steps as CUDA graphs, and prints TTFT (512 and 2048-token prompts)
-and TPOT (batch 1, 8, 32) for both engines, with the bandwidth roofline beside each TPOT. After the first row it
+and TPOT (batch 1, 8, 32; last, batch 32 sampled with temperature 0.7 and top-p 0.9) for both engines, with the
+bandwidth roofline beside each TPOT. After the first row it
 checks what it times (`check`); `--profile DIR` writes per-kernel tables; runs so far: GPU_RESULTS.md.
 
 Rows come in priority order (batch-1 TPOT, short TTFT, batch-32 TPOT, long TTFT, the rest) and the table is
@@ -170,7 +171,10 @@ class Ours:
         self._gen(random_prompts(self.g, 1, length, self.vocab), 1)          # compile + warm
         return min(self._gen(random_prompts(self.g, 1, length, self.vocab), 1) for _ in range(2))
 
-    def tpot(self, b: int) -> float:
+    def tpot_sampled(self, b: int) -> float:
+        return self.tpot(b, SAMPLED)
+
+    def tpot(self, b: int, sampling: dict | None = None) -> float:
         """Steady-state decode: b prompts are added at once and stepped until every sequence has its first token
         (prompt-as-decode steps carry 32 tokens; with b sequences running, later prompts share steps with earlier
         ones' decode tokens), then the n steps that give each sequence n more tokens are timed. Differencing two
@@ -181,8 +185,9 @@ class Ours:
         self._gen(random_prompts(self.g, b, 32, self.vocab), 4)             # compile, capture the CUDA graphs
         best = float("inf")
         for _ in range(2):
-            seqs = [eng.add_request(p, SamplingParams(max_tokens=self.n + 1, ignore_eos=True))
-                    for p in random_prompts(self.g, b, 32, self.vocab)]
+            seqs = [eng.add_request(p, SamplingParams(max_tokens=self.n + 1, ignore_eos=True, seed=i,
+                                                      **(sampling or {})))
+                    for i, p in enumerate(random_prompts(self.g, b, 32, self.vocab))]
             while eng.has_work and not all(s.output_ids for s in seqs):
                 eng.step()
             sync(self.dev)
@@ -216,17 +221,24 @@ class Transformers:
         timed(self.dev, lambda: self.hf(x, logits_to_keep=1))
         return min(timed(self.dev, lambda: self.hf(x, logits_to_keep=1)) for _ in range(2))
 
+    def tpot_sampled(self, b: int) -> float:
+        return self.tpot(b, SAMPLED)
+
     @torch.inference_mode()
-    def tpot(self, b: int) -> float:
+    def tpot(self, b: int, sampling: dict | None = None) -> float:
         x = torch.randint(2, self.vocab, (b, 32), device=self.dev)
+        how = dict(do_sample=True, top_k=0, **sampling) if sampling else dict(do_sample=False)
 
         def gen(k):
             return self.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k,
-                                    do_sample=False)
+                                    **how)
         timed(self.dev, lambda: gen(2))
         t1 = timed(self.dev, lambda: gen(1))
         tn = timed(self.dev, lambda: gen(self.n + 1))
         return (tn - t1) / self.n
+
+
+SAMPLED = dict(temperature=0.7, top_p=0.9)     # the sampled TPOT row's parameters, ours and transformers' alike
 
 
 def check(engine, hf, dev: torch.device, vocab: int, prompt: int, n: int = 8, k: int = 8) -> str:
@@ -436,17 +448,18 @@ def main() -> None:
     write(lines)
     # The headline numbers first, so that a call cut short by its time limit still has them.
     plan = [("tpot", batches[0]), ("ttft", ttft_lens[0]), ("tpot", batches[-1]), ("ttft", ttft_lens[-1])]
-    plan += [("tpot", b) for b in batches[1:-1]]
+    plan += [("tpot", b) for b in batches[1:-1]] + [("tpot_sampled", batches[-1])]
     for what, x in plan:
-        label = f"TPOT batch {x}" if what == "tpot" else f"TTFT {x} tokens"
+        label = {"tpot": f"TPOT batch {x}", "ttft": f"TTFT {x} tokens",
+                 "tpot_sampled": f"TPOT batch {x}, temperature 0.7 top-p 0.9"}[what]
         if args.budget_s and time.monotonic() - t0 > args.budget_s:
             emit(f"| {label} | skipped (budget {args.budget_s:.0f} s spent) | | | |")
             continue
         t = time.monotonic()
         mine = measure(ours, what, x)
         theirs = measure(ref, what, x) if ref else None
-        roof_s = f"{roof[x] * 1e3:.2f} ms" if what == "tpot" else ""
-        digits = 2 if what == "tpot" else 1
+        roof_s = f"{roof[x] * 1e3:.2f} ms" if what != "ttft" else ""
+        digits = 2 if what != "ttft" else 1
 
         def fmt(v) -> str:
             return "-" if v is None else v if isinstance(v, str) else f"{v * 1e3:.{digits}f} ms"
