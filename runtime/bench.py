@@ -159,7 +159,8 @@ def table(rows: list[dict], cols: list[str]) -> str:
 
 
 def _sampling_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--temperature", type=float, default=None, help="every request's (default 0: greedy)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="every request's (default 0: greedy; 1 where --top-p or --top-k is given)")
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--top-k", type=int, default=None)
 
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     sampling = {k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("top_k", a.top_k))
                 if v is not None}
+    if sampling and a.temperature is None:
+        sampling["temperature"] = 1.0          # top-p/top-k alone: sampled at OpenAI's default temperature
     if a.mode == "offline":
         rows = offline(a.artifacts, [int(x) for x in a.prompt_lens.split(",")],
                        [int(x) for x in a.concurrency.split(",")], a.max_tokens, a.seed, a.device, a.prefix_len,

@@ -26,8 +26,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int] |
         logits = logits.clone()           # the runner's output buffer stays as the model left it
         for i in processed:
             process_logits(logits[i], seqs[i], eos_ids)
-    tokens = _argmax(logits)
     drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    tokens = _argmax(logits) if len(drawn) < n else [0] * n
     if drawn:
         ps = [seqs[i].params for i in drawn]
         picks = sample_rows(logits[drawn], [p.temperature for p in ps], [p.top_k for p in ps],
@@ -56,73 +56,80 @@ def _argmax(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
-# Top-k and top-p look at this many of a row's largest logits first (one topk, not a sort of the vocabulary),
-# and sort the whole row only where the nucleus reaches past them (a flat distribution)
+# Top-p alone looks at this many of a row's largest logits first (one topk, not a sort of the vocabulary), and
+# sorts the whole row only where the nucleus reaches past them (a flat distribution)
 CANDIDATES = 1024
 
 
 def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of logits [m, V], drawn from `sampling_probs` of the row with its own parameters, on the
-    logits' device: one uniform number per row from the row's generator (None: torch's default), then the
-    first token whose cumulative probability passes it. The rows are computed together, but each row's path and
-    draw follow from that row alone (not from the batch it came in). Returns [m] int64 on the logits' device."""
+    logits' device. Each row's filters come down to the smallest logit it keeps (a value: the same whatever order
+    equal logits sort in); then one uniform number from the row's generator (None: torch's default) picks, in
+    vocabulary order, the first kept token whose cumulative probability passes it. The rows are computed
+    together, each by per-row operations only, so a row's token does not depend on the batch it came in.
+    Returns [m] int64 on the logits' device."""
     m, V = logits.shape
     dev = logits.device
     u = torch.tensor([float(torch.rand((), generator=g)) for g in generators], device=dev)
-    # softmax, topk and logsumexp take the row's maximum out themselves: no shifted copy of the rows
+    # softmax and topk take the row's maximum out themselves: no shifted copy of the rows
     x = logits.float() / torch.tensor(temperatures, device=dev)[:, None]
-    tokens = torch.empty(m, dtype=torch.long, device=dev)
-    # by path: no filter (0); top-k over the row's k largest (k); top-p alone over the CANDIDATES largest (-1),
-    # or over the whole row sorted where it has no more (V) or its nucleus reaches past them
+    probs = x.softmax(dim=-1)
+    floor = torch.full((m,), float("-inf"), device=dev)          # per row, the smallest logit it keeps
+    # by path: top-k, over the row's k largest (k); top-p alone, over the CANDIDATES largest (-1), or the whole
+    # row sorted (V) where it has no more or its nucleus reaches past them; no filter: no path
     groups: dict[int, list[int]] = {}
     for i, (k, p) in enumerate(zip(top_ks, top_ps)):
-        path = k if 0 < k < V else 0 if p >= 1.0 else -1 if CANDIDATES < V else V
-        groups.setdefault(path, []).append(i)
+        if 0 < k < V or p < 1.0:
+            groups.setdefault(k if 0 < k < V else -1 if CANDIDATES < V else V, []).append(i)
     whole = groups.pop(V, [])
     for path, rows in groups.items():
         at = torch.tensor(rows, device=dev)
-        xs = x if len(rows) == m else x[at]           # one path for the whole batch: no copy of its rows
-        if path == 0:
-            tokens[at] = _draw(xs.softmax(dim=-1), u[at])
-            continue
-        p = torch.tensor([top_ps[i] for i in rows], device=dev)
-        n = CANDIDATES if path < 0 else path
-        vals, ids = xs.topk(n, dim=-1)
-        if path < 0:    # the candidates' probabilities within the whole row
-            probs = (vals - xs.logsumexp(dim=-1, keepdim=True)).exp()
-            short = probs.sum(dim=-1) < p            # flat rows: their nucleus reaches past the candidates
-            if bool(short.any()):
-                whole += at[short].tolist()
+        xs = x if len(rows) == m else x[at]          # one path for the whole batch: no copy of its rows
+        vals, ids = xs.topk(CANDIDATES if path < 0 else path, dim=-1)
+        if path > 0:    # top-k keeps the logits down to the k-th largest; top-p within what it keeps
+            kth = vals[:, -1:]
+            ps = [top_ps[i] for i in rows]
+            if all(p >= 1.0 for p in ps):
+                floor[at] = kth[:, 0]
+                continue
+            within = xs.masked_fill(xs < kth, float("-inf")).softmax(dim=-1).gather(1, ids)
+            floor[at] = torch.maximum(kth[:, 0], _nucleus_floor(vals, within, ps))
         else:
-            probs = vals.softmax(dim=-1)             # top-k keeps exactly these
-        tokens[at] = ids.gather(1, _draw(_nucleus(probs, p), u[at])[:, None])[:, 0]
+            within = (probs if len(rows) == m else probs[at]).gather(1, ids)
+            reached = within.sum(dim=-1) >= torch.tensor([top_ps[i] for i in rows], device=dev)
+            floor[at] = _nucleus_floor(vals, within, [top_ps[i] for i in rows])
+            if not bool(reached.all()):              # flat rows: their nucleus reaches past the candidates
+                whole += at[~reached].tolist()
     if whole:
-        at = torch.tensor(sorted(whole), device=dev)
+        whole.sort()
+        at = torch.tensor(whole, device=dev)
         vals, ids = x[at].sort(dim=-1, descending=True)
-        p = torch.tensor([top_ps[i] for i in sorted(whole)], device=dev)
-        tokens[at] = ids.gather(1, _draw(_nucleus(vals.softmax(dim=-1), p), u[at])[:, None])[:, 0]
-    return tokens
+        floor[at] = _nucleus_floor(vals, probs[at].gather(1, ids), [top_ps[i] for i in whole])
+    return _draw(probs.masked_fill(x < floor[:, None], 0.0), u)
 
 
-def _nucleus(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Top-p on probabilities sorted largest first: zero past each row's smallest prefix whose sum reaches p
-    (always at least the first; p >= 1 keeps the row)."""
-    if bool((p >= 1.0).all()):
-        return probs
-    cum = probs.cumsum(dim=-1)
-    return probs.masked_fill((cum - probs >= p[:, None]) & (p[:, None] < 1.0), 0.0)
+def _nucleus_floor(vals: torch.Tensor, probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """Top-p over logits sorted largest first (vals) and their probabilities: per row the smallest logit whose
+    strictly larger ones hold less than p of the probability (the top one at least; equal logits go together).
+    -inf for rows with p >= 1."""
+    if all(p >= 1.0 for p in top_ps):
+        return torch.full(vals.shape[:1], float("-inf"), device=vals.device)
+    p = torch.tensor(top_ps, device=vals.device)[:, None]
+    before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))    # mass ahead of each position
+    last = ((before < p).sum(dim=-1, keepdim=True) - 1).clamp_(0, vals.shape[-1] - 1)
+    return torch.where(p[:, 0] < 1.0, vals.gather(1, last)[:, 0], float("-inf"))
 
 
 def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF: per row the first index whose cumulative probability exceeds u x the row's total (never a
-    zero-probability index)."""
+    zero-probability index; a row with nothing left, all -inf or NaN logits, still gets an index in range)."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # kept under the total (u x total can round up to it): then some cdf value exceeds it, first where a token's
     # probability is positive
     v = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, v, right=True)[:, 0]
+    return torch.searchsorted(cdf, v, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def process_logits(row: torch.Tensor, seq: Sequence, eos_ids=frozenset()) -> torch.Tensor:
@@ -159,13 +166,16 @@ def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
 
 def sampling_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """The distribution `sample_rows` draws a row's token from, written plainly (the reference its tests hold it
-    to): temperature, then top-k (the k largest), then top-p (the smallest prefix of what is left, largest first,
-    whose probability reaches top_p; always at least the top token)."""
-    row = (row.float() - row.max()) / temperature     # shifted first: no inf - inf = NaN for small temperatures
-    sorted_logits, order = row.sort(descending=True)
-    if 0 < top_k < row.numel():
-        sorted_logits[top_k:] = float("-inf")
+    to): temperature; top-k keeps the logits down to the k-th largest (ties with it too); top-p keeps each token
+    whose strictly larger tokens hold less than top_p of what top-k left (so at least the top token, and equal
+    logits together)."""
+    x = row.float() / temperature
+    if 0 < top_k < x.numel():
+        x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
     if top_p < 1.0:
-        probs = sorted_logits.softmax(-1)
-        sorted_logits = sorted_logits.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))
-    return torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits).softmax(-1)
+        vals, order = x.sort(descending=True)
+        before = torch.cat([vals.new_zeros(1), x.softmax(-1)[order].cumsum(0)[:-1]])  # mass ahead of each position
+        _, group, counts = vals.unique_consecutive(return_inverse=True, return_counts=True)
+        larger = before[torch.cumsum(counts, 0) - counts][group]     # mass strictly above: its tie group's first
+        x = x.masked_fill(torch.empty_like(larger).scatter_(0, order, larger) >= top_p, float("-inf"))
+    return x.softmax(-1)

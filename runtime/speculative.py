@@ -98,12 +98,10 @@ def verify(rows: torch.Tensor, seq: Sequence, draft: list[int]) -> list[int]:
     n = len(draft) + 1
     if p.greedy:        # first maxima, as the plain path: numpy's on the CPU, else on the device (n ids copied)
         picks = (rows.numpy().argmax(axis=-1) if rows.device.type == "cpu" else rows.argmax(dim=-1)).tolist()
-    else:
-        cpu = rows.float().cpu()
-        picks = []
     out = []
     for i in range(n):
-        tok = picks[i] if p.greedy else _sample_row(cpu[i], p.temperature, p.top_k, p.top_p, seq.generator)
+        # sampled on the rows' device, as the plain path samples them (the same arithmetic, the same token)
+        tok = picks[i] if p.greedy else _sample_row(rows[i], p.temperature, p.top_k, p.top_p, seq.generator)
         out.append(tok)
         if i == len(draft) or tok != draft[i]:
             return out

@@ -53,10 +53,47 @@ def test_a_rows_draw_does_not_depend_on_its_batch():
     assert draw([5, 3, 1]) == [alone[5], alone[3], alone[1]]
 
 
+def test_equal_logits_are_kept_or_dropped_together(monkeypatch):
+    """Top-k's k-th largest and top-p's last logit keep every token equal to them (bf16 logits tie often): the
+    draws follow the reference, whatever order the ties sort in."""
+    monkeypatch.setattr(sampler, "CANDIDATES", 4)
+    row = torch.tensor([3.0, 2.0, 0.0, 2.0, 1.0, 2.0, 1.0, 0.5, 2.0, -1.0, 1.0, 0.0])
+    for top_k, top_p in ((2, 1.0), (0, 0.3), (3, 0.6), (0, 0.9)):
+        want = sampling_probs(row, 1.0, top_k, top_p)
+        got = _frequencies(row, 1.0, top_k, top_p)
+        assert torch.allclose(got, want, atol=0.015), (top_k, top_p, got, want)
+        assert bool((got[want == 0] == 0).all())
+    assert bool((sampling_probs(row, 1.0, 2, 1.0)[[1, 3, 5, 8]] > 0).all())       # all four 2.0s with top-k 2
+
+
+def test_a_rows_draw_does_not_depend_on_its_batch_past_the_candidates():
+    """A vocabulary past CANDIDATES, bf16-rounded logits (ties everywhere): top-p rows over the candidates and
+    flat ones past them, top-k rows, plain ones; each row's token alone equals its token in the batch, for many
+    draws."""
+    V = 3000
+    g = torch.Generator().manual_seed(6)
+    logits = torch.cat([torch.randn(4, V, generator=g) * 6, torch.randn(4, V, generator=g) * 0.2])
+    logits = logits.to(torch.bfloat16).float()
+    params = [(0.8, 0, 0.9), (1.0, 40, 1.0), (0.9, 0, 1.0), (1.1, 1500, 0.7),
+              (1.0, 0, 0.9), (0.7, 0, 0.95), (1.0, 5, 0.5), (1.2, 0, 1.0)]
+    for seed in range(25):
+        def draw(rows: list[int]) -> list[int]:
+            ts, ks, ps = zip(*(params[i] for i in rows))
+            gens = [torch.Generator().manual_seed(1000 * seed + i) for i in rows]
+            return sample_rows(logits[rows], list(ts), list(ks), list(ps), gens).tolist()
+        alone = [draw([i])[0] for i in range(8)]
+        assert draw(list(range(8))) == alone
+        assert draw([7, 4, 0]) == [alone[7], alone[4], alone[0]]
+
+
 def test_the_draw_never_lands_on_a_zero_probability_token():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]])
     for u in (0.0, 0.5, 1.0 - 2 ** -24, 1.0):        # 1.0: u x total rounded up to the total
         assert int(sampler._draw(probs, torch.tensor([u]))[0]) in (1, 3)
+    # nothing left to draw (all -inf or NaN logits): still a token id in range, not V or an out-of-range gather
+    for row in (torch.full((1, 6), float("-inf")), torch.tensor([[0.0, float("nan"), 1.0, 0.0, 0.0, 0.0]])):
+        for k, p in ((0, 1.0), (2, 1.0), (0, 0.5)):
+            assert 0 <= int(sample_rows(row, [1.0], [k], [p], [None])[0]) < 6
 
 
 def test_processed_and_filtered_rows_in_one_batch():
