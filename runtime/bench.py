@@ -162,7 +162,7 @@ def _sampling_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--temperature", type=float, default=None,
                     help="every request's (default 0: greedy; 1 where --top-p or --top-k is given)")
     ap.add_argument("--top-p", type=float, default=None)
-    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--top-k", type=int, default=None, help="-1 or 0: no top-k")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
                 if v is not None}
     if sampling and a.temperature is None:
         sampling["temperature"] = 1.0          # top-p/top-k alone: sampled at OpenAI's default temperature
+    if a.mode == "offline" and sampling.get("top_k") == -1:
+        sampling["top_k"] = 0                  # the server's (and vLLM's) "no top-k" is the engine's 0
     if a.mode == "offline":
         rows = offline(a.artifacts, [int(x) for x in a.prompt_lens.split(",")],
                        [int(x) for x in a.concurrency.split(",")], a.max_tokens, a.seed, a.device, a.prefix_len,
