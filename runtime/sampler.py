@@ -97,7 +97,8 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[in
             floor[at] = torch.maximum(kth[:, 0], _nucleus_floor(vals, within, ps))
         else:
             within = (probs if len(rows) == m else probs[at]).gather(1, ids)
-            reached = within.sum(dim=-1) >= torch.tensor([top_ps[i] for i in rows], device=dev)
+            # the candidates' total as _nucleus_floor sums them (cumsum: in double on the CPU, where sum() is not)
+            reached = within.cumsum(dim=-1)[:, -1] >= torch.tensor([top_ps[i] for i in rows], device=dev)
             floor[at] = _nucleus_floor(vals, within, [top_ps[i] for i in rows])
             if not bool(reached.all()):              # flat rows: their nucleus reaches past the candidates
                 whole += at[~reached].tolist()
@@ -129,7 +130,15 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # kept under the total (u x total can round up to it): then some cdf value exceeds it, first where a token's
     # probability is positive
     v = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    if probs.device.type != "cpu":
+        return _first_past(cdf, v, probs)
     return torch.searchsorted(cdf, v, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+def _first_past(cdf: torch.Tensor, v: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """The first position whose cdf passes v and that holds probability, without assuming the cdf sorted: a
+    parallel scan's float sums need not be monotone (the CPU's cumsum adds in double, in order)."""
+    return ((cdf > v) & (probs > 0)).int().argmax(dim=-1)
 
 
 def process_logits(row: torch.Tensor, seq: Sequence, eos_ids=frozenset()) -> torch.Tensor:
