@@ -199,9 +199,9 @@ def main(argv: list[str] | None = None) -> None:
                 if v is not None}
     if sampling and a.temperature is None:
         sampling["temperature"] = 1.0          # top-p/top-k alone: sampled at OpenAI's default temperature
-    if a.mode == "offline" and sampling.get("top_k") == -1:
-        sampling["top_k"] = 0                  # the server's (and vLLM's) "no top-k" is the engine's 0
     if a.mode == "offline":
+        if sampling.get("top_k") == -1:
+            sampling["top_k"] = 0              # the server's (and vLLM's) "no top-k" is the engine's 0
         rows = offline(a.artifacts, [int(x) for x in a.prompt_lens.split(",")],
                        [int(x) for x in a.concurrency.split(",")], a.max_tokens, a.seed, a.device, a.prefix_len,
                        not a.no_prefix_caching, sampling)

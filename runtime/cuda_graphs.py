@@ -103,13 +103,11 @@ class _Staged:
     cudaMemcpy of its own on the host's side of the step)."""
 
     def __init__(self, arrays: tuple[np.ndarray, ...], device: torch.device):
-        self.shapes = [a.shape for a in arrays]
-        self.sizes = [a.size for a in arrays]
-        total = sum(self.sizes)
+        sizes = [a.size for a in arrays]
         cuda = device.type == "cuda"
-        self.host = torch.empty(total, dtype=torch.int64, pin_memory=cuda)
-        self.device = torch.empty(total, dtype=torch.int64, device=device)
-        self.views = tuple(part.view(shape) for part, shape in zip(self.device.split(self.sizes), self.shapes))
+        self.host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=cuda)
+        self.device = torch.empty(sum(sizes), dtype=torch.int64, device=device)
+        self.views = tuple(part.view(a.shape) for part, a in zip(self.device.split(sizes), arrays))
         self.copied = torch.cuda.Event() if cuda else None    # the last copy out of `host` has finished
         self.load(arrays)
 

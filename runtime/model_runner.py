@@ -171,8 +171,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, si: StepInputs) -> torch.Tensor:
         """Run the step; returns logits [num_logits, V]: fp32 on the CPU, or as the graph made them on an
-        accelerator, where the sampler takes greedy batches' argmax before anything leaves the device (a
-        32 x 102400 fp32 copy and a host argmax are milliseconds a step). Read them before the next step: on
+        accelerator, where the sampler works on them before anything leaves the device (a 32 x 102400 fp32
+        copy and host-side sampling are milliseconds a step). Read them before the next step: on
         CUDA they are the step graph's output buffer."""
         if self.timer is not None:
             self.timer.steps[si.kind] = self.timer.steps.get(si.kind, 0) + 1

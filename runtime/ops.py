@@ -44,9 +44,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return grouped_mm_torch(x, w, offs)
 
 
-def _native(key: tuple[str, torch.dtype], x: torch.Tensor, run, errors, warning: str) -> torch.Tensor | None:
+def _native(key: tuple[str, torch.dtype], x: torch.Tensor, run, errors, warning: str, *args) -> torch.Tensor | None:
     """run() unless it failed here before; None when it fails or failed. The first failure marks `key`, so later
-    calls go straight to the caller's portable path, and logs `warning` (one %s: the error's first line). A device
+    calls go straight to the caller's portable path, and logs `warning` % (*args, the error's first line). A device
     fault (AcceleratorError) or a failure inside a CUDA-graph capture says nothing about whether the op runs
     here: those go up as they are."""
     if key in _NATIVE_FAILED:
@@ -57,7 +57,7 @@ def _native(key: tuple[str, torch.dtype], x: torch.Tensor, run, errors, warning:
         if isinstance(e, torch.AcceleratorError) or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             raise
         _NATIVE_FAILED.add(key)
-        log.warning(warning, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+        log.warning(warning, *args, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
         return None
 
 
@@ -71,8 +71,8 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
                 return torch._grouped_mm(w.transpose(1, 2), x.t(), offs=offs).t().contiguous()
             return torch._grouped_mm(x, w, offs=offs)
         out = _native((x.device.type, x.dtype), x, native, (RuntimeError, NotImplementedError),
-                      f"torch._grouped_mm does not run for {x.device.type} {x.dtype} here (%s); the MoE experts "
-                      "take a masked loop (a full GEMM per expert: correct, much slower)")
+                      "torch._grouped_mm does not run for %s %s here (%s); the MoE experts take a masked loop "
+                      "(a full GEMM per expert: correct, much slower)", x.device.type, x.dtype)
         if out is not None:
             return out
     rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
@@ -92,8 +92,8 @@ def scores_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
         out = _native(("scores_bmm", a.dtype), a, lambda: torch.bmm(a, b, out_dtype=torch.float32),
                       (RuntimeError, TypeError, NotImplementedError),
-                      f"torch.bmm with out_dtype does not run for {a.dtype} here (%s); the decode scores widen "
-                      "their operands first (same sums, slower)")
+                      "torch.bmm with out_dtype does not run for %s here (%s); the decode scores widen their "
+                      "operands first (same sums, slower)", a.dtype)
         if out is not None:
             return out
     return torch.bmm(a.float(), b.float())

@@ -87,9 +87,9 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[in
         at = torch.tensor(rows, device=dev)
         xs = x if len(rows) == m else x[at]          # one path for the whole batch: no copy of its rows
         vals, ids = xs.topk(CANDIDATES if path < 0 else path, dim=-1)
+        ps = [top_ps[i] for i in rows]
         if path > 0:    # top-k keeps the logits down to the k-th largest; top-p within what it keeps
             kth = vals[:, -1:]
-            ps = [top_ps[i] for i in rows]
             if all(p >= 1.0 for p in ps):
                 floor[at] = kth[:, 0]
                 continue
@@ -98,8 +98,8 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[in
         else:
             within = (probs if len(rows) == m else probs[at]).gather(1, ids)
             # the candidates' total as _nucleus_floor sums them (cumsum: in double on the CPU, where sum() is not)
-            reached = within.cumsum(dim=-1)[:, -1] >= torch.tensor([top_ps[i] for i in rows], device=dev)
-            floor[at] = _nucleus_floor(vals, within, [top_ps[i] for i in rows])
+            reached = within.cumsum(dim=-1)[:, -1] >= torch.tensor(ps, device=dev)
+            floor[at] = _nucleus_floor(vals, within, ps)
             if not bool(reached.all()):              # flat rows: their nucleus reaches past the candidates
                 whole += at[~reached].tolist()
     if whole:

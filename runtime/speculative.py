@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampler import _sample_row
+from .sampler import _argmax, _sample_row
 from .sequence import Sequence
 
 
@@ -97,7 +97,7 @@ def verify(rows: torch.Tensor, seq: Sequence, draft: list[int]) -> list[int]:
     p = seq.params
     n = len(draft) + 1
     if p.greedy:        # first maxima, as the plain path: numpy's on the CPU, else on the device (n ids copied)
-        picks = (rows.numpy().argmax(axis=-1) if rows.device.type == "cpu" else rows.argmax(dim=-1)).tolist()
+        picks = _argmax(rows)
     out = []
     for i in range(n):
         # sampled on the rows' device, as the plain path samples them (the same arithmetic, the same token)
