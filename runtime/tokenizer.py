@@ -79,6 +79,16 @@ class Tokenizer:
         """Text with the special tokens written out (tool-call markers)."""
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def decode_stream(self):
+        """A one-token-at-a-time decoder, `step(token_id) -> new text or None` (tokenizers' DecodeStream), or None
+        with a tokenizers older than 0.21, which has none."""
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError:
+            return None
+        stream, tok = DecodeStream(skip_special_tokens=True), self._tok
+        return lambda token_id: stream.step(tok, token_id)
+
     def token_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)
 
@@ -95,7 +105,10 @@ class IncrementalDetokenizer:
 
     Each step decodes a short window, not the whole output (which would make a long generation quadratic):
     the tokens since `prefix` give the context for the newest ones, and the text the window decoded up to
-    `read` is what was already emitted from it (the scheme text-generation-inference and vLLM use)."""
+    `read` is what was already emitted from it (the scheme text-generation-inference and vLLM use). Where the
+    tokenizers library has it (0.21+), its `DecodeStream` keeps that window in Rust: one call a token instead of
+    two decodes and the list slicing around them (~1 us a token against 4-20 on the 2-core VM). A window the
+    stream refuses (a decoder that rewrote text it had already given) goes on here, from the same place."""
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
@@ -103,17 +116,37 @@ class IncrementalDetokenizer:
         self.text = ""
         self.prefix = 0          # window start: a few tokens of context before the unread ones
         self.read = 0            # tokens whose text is already in self.text
+        self._step = tok.decode_stream()
 
     def add(self, token_ids: list[int]) -> str:
-        self.ids.extend(token_ids)
+        pieces = []
+        for i, t in enumerate(token_ids):
+            if self._step is None:
+                self.ids.extend(token_ids[i:])
+                pieces.append(self._window())
+                break
+            try:
+                piece = self._step(t)
+            except Exception:    # tokenizers' DecodeStreamError: this token goes through the window instead
+                self._step = None
+                self.ids.extend(token_ids[i:])
+                pieces.append(self._window())
+                break
+            self.ids.append(t)
+            if piece:
+                pieces.append(piece)
+                self.prefix, self.read = self.read, len(self.ids)
+        new = "".join(pieces)
+        self.text += new
+        return new
+
+    def _window(self) -> str:
         before = self.tok.decode(self.ids[self.prefix:self.read])
         window = self.tok.decode(self.ids[self.prefix:])
         if window.endswith("\ufffd") or len(window) <= len(before) or not window.startswith(before):
             return ""            # an incomplete UTF-8 sequence, nothing new yet, or a merge rewrote the window
-        new = window[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
-        self.text += new
-        return new
+        return window[len(before):]
 
     def flush(self) -> str:
         self.text = self.tok.decode(self.ids)

@@ -274,25 +274,42 @@ def test_abort_frees_blocks(engine):
 
 def test_incremental_detokenizer_streams_the_full_text_from_short_windows():
     """Streamed pieces concatenate to the full decode (multi-byte characters held back until complete), and
-    each step decodes a few tokens, not the whole output (which made long generations quadratic)."""
+    each step decodes a few tokens, not the whole output (which made long generations quadratic): through
+    tokenizers' DecodeStream, through the Python-side window, and through the window from where a stream failed."""
     import random
     from deepinfer.compile.options import DEMO_MODEL
     from deepinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
     tok = Tokenizer(DEMO_MODEL / "tokenizer.json", DEMO_MODEL / "tokenizer_config.json", None)
+    assert tok.decode_stream() is not None          # tokenizers >= 0.21 (what the constraints install)
     lengths: list[int] = []
     decode = tok.decode
     tok.decode = lambda ids: (lengths.append(len(ids)), decode(ids))[1]
     rng = random.Random(0)
     cases = [tok.encode("naïve café — 日本語 🤖 text\n\twith  spaces", add_special_tokens=False)]
     cases += [[rng.randrange(2, tok.vocab_size) for _ in range(400)] for _ in range(5)]
-    for ids in cases:
-        det = IncrementalDetokenizer(tok)
-        lengths.clear()
-        streamed = "".join(det.add([i]) for i in ids)
-        assert max(lengths) < 40           # short windows, whatever the output length
-        full = decode(ids)
-        assert full.startswith(streamed) and len(full) - len(streamed) <= 4
-        assert det.flush() == full
+    make_stream = tok.decode_stream
+
+    def failing_stream(after: int):
+        step, n = make_stream(), [0]
+
+        def fail(t):
+            n[0] += 1
+            if n[0] > after:
+                raise RuntimeError("DecodeStreamError: invalid prefix")
+            return step(t)
+        return lambda: fail
+    for mode in ("stream", "window", "stream then window"):
+        tok.decode_stream = {"stream": make_stream, "window": lambda: None}.get(mode) or failing_stream(7)
+        for ids in cases:
+            det = IncrementalDetokenizer(tok)
+            lengths.clear()
+            streamed = "".join(det.add([i]) for i in ids[:50]) + det.add(ids[50:60]) + \
+                "".join(det.add([i]) for i in ids[60:])
+            assert max(lengths, default=0) < 40, mode        # short windows, whatever the output length
+            assert (mode == "stream") == (not lengths)
+            full = decode(ids)
+            assert full.startswith(streamed) and len(full) - len(streamed) <= 4, mode
+            assert det.text == streamed and det.flush() == full
 
 
 def test_cpu_weights_load_into_an_anonymous_arena_with_the_file_values(artifact):
