@@ -6,6 +6,7 @@ tokens whatever else shares its steps."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .sequence import Sequence
@@ -21,11 +22,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int] |
     logits = logits.float()
     lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None     # before processing
-    processed = [i for i, s in enumerate(seqs) if s.processes_logits]
-    if processed:
-        logits = logits.clone()           # the runner's output buffer stays as the model left it
-        for i in processed:
-            process_logits(logits[i], seqs[i], eos_ids)
+    if any(s.processes_logits for s in seqs):
+        logits = process_logits(logits.clone(), seqs, eos_ids)    # the runner's output buffer stays as it was
     drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
     tokens = _argmax(logits) if len(drawn) < n else [0] * n
     if drawn:
@@ -141,31 +139,63 @@ def _first_past(cdf: torch.Tensor, v: torch.Tensor, probs: torch.Tensor) -> torc
     return ((cdf > v) & (probs > 0)).int().argmax(dim=-1)
 
 
-def process_logits(row: torch.Tensor, seq: Sequence, eos_ids=frozenset()) -> torch.Tensor:
-    """In place on one sequence's fp32 logits [V], in vLLM's order: a structured output's grammar masks what it does
-    not allow, min_tokens masks the stop tokens, logit_bias adds, then the penalties (repetition over prompt and output, as transformers' RepetitionPenaltyLogitsProcessor;
-    presence and frequency over the output, as OpenAI defines them)."""
-    p = seq.params
-    if seq.constraint is not None:          # structured output: what the grammar does not allow next
-        row[torch.from_numpy(~seq.constraint.allowed()).to(row.device)] = float("-inf")
-    if len(seq.output_ids) < p.min_tokens:
-        stops = torch.tensor(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))),
-                             dtype=torch.long, device=row.device)
-        kept = row.clone()
-        row[stops] = float("-inf")
-        if not torch.isfinite(row).any():     # a grammar that allows only EOS now: it wins over min_tokens
-            row.copy_(kept)
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], device=row.device)
-        row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device))
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.prompt_ids) | set(seq.output_ids)), device=row.device)
-        x = row[seen]
-        row[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
-        ids, counts = torch.tensor(seq.output_ids, device=row.device).unique(return_counts=True)
-        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-    return row
+def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids=frozenset()) -> torch.Tensor:
+    """In place on fp32 logits [n, V] (row i: seqs[i]'s next token), in vLLM's order: a structured output's grammar
+    masks what it does not allow, min_tokens masks the stop tokens, logit_bias adds, then the penalties (repetition
+    over prompt and output, as transformers' RepetitionPenaltyLogitsProcessor; presence and frequency over the
+    output, as OpenAI defines them). Rows whose sequences process nothing are left as they are.
+
+    Each stage is a few operations over all its rows' (row, token) pairs at once, the pairs built on the host from
+    each sequence's `TokenStats` (its distinct tokens, folded in as the output grows): one row at a time cost
+    ~70-150 us a row on the CPU (16 penalised sequences doubled a demo model's decode step) and, on a GPU, a sync
+    a row (`unique`)."""
+    dev = logits.device
+    con = [i for i, s in enumerate(seqs) if s.constraint is not None]
+    if con:                                 # structured outputs: what the grammar does not allow next
+        at = torch.tensor(con, device=dev)
+        allowed = torch.from_numpy(np.stack([seqs[i].constraint.allowed() for i in con])).to(dev)
+        logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
+    rows, toks = [], []
+    for i, s in enumerate(seqs):
+        if len(s.output_ids) < s.params.min_tokens:
+            stops = sorted(set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(eos_ids)))
+            rows += [i] * len(stops)
+            toks += stops
+    if rows:                                # min_tokens: no stop token yet...
+        at = torch.tensor(sorted(set(rows)), device=dev)
+        kept = logits[at]
+        logits[torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)] = float("-inf")
+        masked = logits[at]
+        # ...unless a grammar allows only a stop token now: it wins over min_tokens
+        logits[at] = torch.where(torch.isfinite(masked).any(dim=-1, keepdim=True), masked, kept)
+    bias = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias]
+    if bias:
+        r, t, b = zip(*bias)
+        logits.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                          torch.tensor(b, dtype=logits.dtype, device=dev), accumulate=True)
+    rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    if rep:
+        seen = [seqs[i].token_stats().seen for i in rep]
+        r, t = _pairs(rep, seen, dev), torch.from_numpy(np.concatenate(seen)).to(dev)
+        pen = torch.from_numpy(np.repeat(np.array([seqs[i].params.repetition_penalty for i in rep], np.float32),
+                                         [len(x) for x in seen])).to(dev, logits.dtype)
+        x = logits[r, t]
+        logits[r, t] = torch.where(x > 0, x / pen, x * pen)
+    pf = [i for i, s in enumerate(seqs) if (s.params.presence_penalty or s.params.frequency_penalty) and s.output_ids]
+    if pf:
+        stats = [seqs[i].token_stats() for i in pf]
+        counts = np.concatenate([st.counts for st in stats]).astype(np.float32)
+        freq, pres = (np.repeat(np.array([getattr(seqs[i].params, k) for i in pf], np.float32),
+                                [len(st.counts) for st in stats]) for k in ("frequency_penalty", "presence_penalty"))
+        logits.index_put_((_pairs(pf, [st.outputs for st in stats], dev),
+                           torch.from_numpy(np.concatenate([st.outputs for st in stats])).to(dev)),
+                          torch.from_numpy(-(freq * counts + pres)).to(dev, logits.dtype), accumulate=True)
+    return logits
+
+
+def _pairs(rows: list[int], per_row: list[np.ndarray], dev: torch.device) -> torch.Tensor:
+    """The row index of each entry of per_row's arrays laid end to end."""
+    return torch.from_numpy(np.repeat(np.array(rows, np.int64), [len(x) for x in per_row])).to(dev)
 
 
 def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float,

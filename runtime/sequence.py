@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -86,6 +87,7 @@ class Sequence:
     draft_explore_gap: int = 16
     draft_exploring: bool = False     # its current draft is such a try
     ngrams: object | None = field(default=None, repr=False)       # speculative.NgramIndex of its tokens
+    _stats: "TokenStats | None" = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.params.greedy:
@@ -121,6 +123,13 @@ class Sequence:
         m = len(self.output_ids)
         return self.output_ids[pos - n] if pos - n < m else self.draft_ids[pos - n - m]
 
+    def token_stats(self) -> "TokenStats":
+        """Its distinct tokens for the penalties (sampler.process_logits), up to date with its output."""
+        if self._stats is None:
+            self._stats = TokenStats(self.prompt_ids)
+        self._stats.fold(self.output_ids)
+        return self._stats
+
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs asked for and not all collected (a preempted sequence does not collect them twice)."""
@@ -135,3 +144,62 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+class TokenStats:
+    """A sequence's distinct tokens, prompt and output (`seen`: the repetition penalty), and its distinct output
+    tokens with their counts (`outputs`, `counts`: presence and frequency), as int64 arrays that a step's rows
+    concatenate without a Python loop over tokens. Output tokens are folded in as they come, a step's one or few at
+    a time, into arrays that grow by doubling: nothing a step costs grows with the prompt or the output."""
+
+    def __init__(self, prompt_ids: list[int]):
+        self._seen_set = set(prompt_ids)
+        self._seen = _Growing(sorted(self._seen_set))
+        self._slot: dict[int, int] = {}           # output token -> its place in outputs / counts
+        self._outputs = _Growing()
+        self._counts = _Growing()
+        self._folded = 0                          # output tokens counted so far
+
+    def fold(self, output_ids: list[int]) -> None:
+        for t in output_ids[self._folded:]:
+            if t not in self._seen_set:
+                self._seen_set.add(t)
+                self._seen.append(t)
+            j = self._slot.get(t)
+            if j is None:
+                self._slot[t] = len(self._outputs.view())
+                self._outputs.append(t)
+                self._counts.append(1)
+            else:
+                self._counts.buf[j] += 1
+        self._folded = len(output_ids)
+
+    @property
+    def seen(self) -> np.ndarray:
+        return self._seen.view()
+
+    @property
+    def outputs(self) -> np.ndarray:
+        return self._outputs.view()
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self._counts.view()
+
+
+class _Growing:
+    """An int64 array appended to at its end, its buffer doubled when full."""
+
+    def __init__(self, values=()):
+        self.buf = np.zeros(max(16, 2 * len(values)), np.int64)
+        self.buf[:len(values)] = values
+        self.n = len(values)
+
+    def append(self, v: int) -> None:
+        if self.n == len(self.buf):
+            self.buf = np.concatenate([self.buf, np.zeros_like(self.buf)])
+        self.buf[self.n] = v
+        self.n += 1
+
+    def view(self) -> np.ndarray:
+        return self.buf[:self.n]

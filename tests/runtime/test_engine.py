@@ -98,8 +98,8 @@ def test_repetition_penalty_and_min_tokens_match_transformers_generate(checkpoin
 
 
 def test_presence_frequency_penalties_and_logit_bias_as_openai_defines_them():
-    """process_logits on one row against the formulas: bias added, repetition over prompt and output, presence
-    and frequency over the output's counts; min_tokens masks EOS and stop_token_ids (not an ignored EOS)."""
+    """process_logits against the formulas: bias added, repetition over prompt and output, presence and frequency
+    over the output's counts; min_tokens masks EOS and stop_token_ids (not an ignored EOS)."""
     from deepinfer.runtime.sampler import process_logits
     from deepinfer.runtime.sequence import Sequence
     row = torch.randn(50, generator=torch.Generator().manual_seed(0))
@@ -113,13 +113,45 @@ def test_presence_frequency_penalties_and_logit_bias_as_openai_defines_them():
         want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
     for t, n in ((5, 2), (9, 1), (7, 1)):
         want[t] -= 0.25 * n + 0.5
-    assert torch.allclose(process_logits(row.clone(), seq, {1}), want)
+    assert torch.allclose(process_logits(row.clone()[None], [seq], {1})[0], want)
     for ignore_eos, masked in ((False, {1, 4}), (True, {4})):
         seq = Sequence([3], SamplingParams(min_tokens=2, stop_token_ids=(4,), ignore_eos=ignore_eos))
-        out = process_logits(row.clone(), seq, {1})
+        out = process_logits(row.clone()[None], [seq], {1})[0]
         assert {i for i in range(50) if out[i] == float("-inf")} == masked
         seq.output_ids = [8, 8]
-        assert torch.equal(process_logits(row.clone(), seq, {1}), row)
+        assert torch.equal(process_logits(row.clone()[None], [seq], {1})[0], row)
+
+
+def test_logits_processing_of_a_batch_is_each_row_alone():
+    """process_logits works on all rows at once: each row comes out as it would alone, rows that process nothing
+    are untouched, and the token counts a sequence keeps as its output grows (folded step by step) give what they
+    give counted afresh."""
+    import random
+    from deepinfer.runtime.sampler import process_logits
+    from deepinfer.runtime.sequence import Sequence
+    rng = random.Random(3)
+    V = 64
+
+    def params():
+        kw = rng.choice([{}, {"presence_penalty": 0.7}, {"frequency_penalty": -0.4, "presence_penalty": 0.2},
+                         {"repetition_penalty": rng.choice([0.8, 1.5])}, {"logit_bias": ((rng.randrange(V), 3.0),)},
+                         {"min_tokens": 5, "stop_token_ids": (9,)},
+                         {"repetition_penalty": 1.2, "frequency_penalty": 0.3, "logit_bias": ((2, -1.0), (40, 0.5)),
+                          "min_tokens": 3}])
+        return SamplingParams(max_tokens=40, **kw)
+    seqs = [Sequence([rng.randrange(V) for _ in range(rng.randrange(1, 30))], params()) for _ in range(12)]
+    for step in range(6):
+        logits = torch.randn(len(seqs), V, generator=torch.Generator().manual_seed(step))
+        batch = process_logits(logits.clone(), seqs, {1})
+        for i, s in enumerate(seqs):
+            fresh = Sequence(list(s.prompt_ids), s.params)
+            fresh.output_ids = list(s.output_ids)
+            alone = process_logits(logits[i:i + 1].clone(), [fresh], {1})[0]
+            assert torch.equal(batch[i], alone), (step, i, s.params)
+            if not s.processes_logits:
+                assert torch.equal(batch[i], logits[i])
+            s.output_ids += [rng.randrange(V) for _ in range(rng.choice([1, 1, 3]))]
+    assert any(not torch.equal(batch[i], logits[i]) for i in range(len(seqs)))
 
 
 def test_logit_bias_stop_token_ids_min_tokens_and_penalties_end_to_end(engine):
