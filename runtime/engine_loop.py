@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common.errors import CapacityError, DeepinferError, RankFailure
+from ..common.errors import CapacityError, DeepinferError, RankFailure, RequestError
 from .engine import Engine
 from .sequence import SamplingParams, Sequence
 
@@ -74,19 +74,42 @@ class EngineLoop:
         self._thread.join(timeout)
 
     # -- called from the event loop --------------------------------------------------------------
-    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
-        """Validate here (RequestError -> 400), queue for the engine thread; CapacityError -> 503."""
-        self.engine.validate(prompt_ids, params)
+    async def submit(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Stream]:
+        """One HTTP request's sequences (its prompts x n choices): each validated here (RequestError -> 400), then
+        queued for the engine thread all together or not at all (CapacityError -> 503: the waiting queue has no
+        room for all of them now), so that a request never fills the queue in part, shutting others out, only to
+        be rolled back. More sequences than the queue ever holds is the request's fault (400), not a busy server."""
+        for prompt_ids, params in requests:
+            self.engine.validate(prompt_ids, params)
         if not self.alive:
             raise CapacityError("the engine is not running")
-        limit = self.engine.scheduler.cfg.max_waiting
+        limit, k = self.engine.scheduler.cfg.max_waiting, len(requests)
+        if k > limit:
+            raise RequestError(f"the request asks for {k} sequences (prompts x n), more than this server queues at "
+                               f"once ({limit}: deepinfer-run --max-waiting)")
         with self._pending_lock:
-            if self.num_pending + len(self.engine.scheduler.waiting) >= limit:
+            if self.num_pending + len(self.engine.scheduler.waiting) + k > limit:
                 raise CapacityError(f"the waiting queue is full ({limit} requests); retry later")
-            self.num_pending += 1
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._inbox.put(("add", (prompt_ids, params, asyncio.get_running_loop()), fut))
-        return await fut
+            self.num_pending += k
+        loop = asyncio.get_running_loop()
+        futs = []
+        for prompt_ids, params in requests:
+            futs.append(loop.create_future())
+            self._inbox.put(("add", (prompt_ids, params, loop), futs[-1]))
+        try:
+            results = await asyncio.gather(*futs, return_exceptions=True)
+        except asyncio.CancelledError:      # the client left while they were queued: whatever started stops
+            for f in futs:
+                if f.done() and not f.cancelled() and f.exception() is None:
+                    self.abort(f.result())
+            raise
+        streams = [r for r in results if isinstance(r, Stream)]
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            for stream in streams:
+                self.abort(stream)
+            raise failed
+        return streams
 
     def abort(self, stream: Stream) -> None:
         self._inbox.put(("abort", stream, None))
@@ -132,7 +155,7 @@ class EngineLoop:
                     continue
                 stream = Stream(seq, loop)
                 self._streams[seq.seq_id] = stream
-                loop.call_soon_threadsafe(_resolve, fut, stream, None)
+                loop.call_soon_threadsafe(self._resolve_stream, fut, stream)
             elif kind == "abort":
                 stream = arg
                 if self._streams.pop(stream.seq.seq_id, None) is not None:
@@ -170,6 +193,13 @@ class EngineLoop:
                 del self._streams[seq.seq_id]
         if self.on_step is not None:
             self.on_step(self.engine, outputs, time.perf_counter() - t)
+
+
+    def _resolve_stream(self, fut: asyncio.Future, stream: Stream) -> None:
+        if fut.cancelled():         # its request is gone (the client left while it was queued)
+            self.abort(stream)
+        else:
+            fut.set_result(stream)
 
 
 def _resolve(fut: asyncio.Future, value, error) -> None:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from ..common.errors import CapacityError, RankFailure, RequestError
 from .engine import Engine
-from .engine_loop import EngineLoop, Stream, TokenEvent
+from .engine_loop import EngineLoop, RequestAborted, Stream, TokenEvent
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, error_body, new_id,
                        now)
@@ -90,6 +90,18 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         metrics.rejected.labels("503").inc()
         return _err(503, str(exc), "server_overloaded")
 
+    @app.exception_handler(GenerationFailed)
+    async def _failed(request, exc: GenerationFailed):
+        # the step that held the request failed (logged with its traceback): a server error, not a busy server
+        # that a client should retry
+        metrics.rejected.labels("500").inc()
+        return _err(500, str(exc), "server_error")
+
+    @app.exception_handler(RequestAborted)
+    async def _aborted(request, exc: RequestAborted):
+        # the client left (nobody reads this) or the server aborted it: not a rejection
+        return _err(499, str(exc), "request_aborted")
+
     @app.get("/health")
     async def health():
         if not loop.alive:
@@ -148,12 +160,10 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(request: Request):
         body = await _json(request)
-        try:
-            req = CompletionRequest.model_validate(body)
+        try:    # a field sent as null is a field not sent (as in chat), except max_tokens, whose null is a value
+            req = CompletionRequest.model_validate({k: v for k, v in body.items() if v is not None or k == "max_tokens"})
         except ValidationError as e:
-            first = e.errors()[0]
-            field = first["loc"][0] if first["loc"] else "body"
-            raise RequestError(f"field '{field}': {first['msg']}") from None
+            raise _invalid(e) from None
         prompts, texts = _prompts(req, tok)
         return await _generate(request, req, prompts, texts, chat=False)
 
@@ -191,8 +201,7 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         try:    # a field sent as null is a field not sent (the openai client sends nulls for unset arguments)
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
-            first = e.errors()[0]
-            raise RequestError(f"field '{_field(first['loc'])}': {first['msg']}") from None
+            raise _invalid(e) from None
 
     def _tool_mode(creq: ChatCompletionRequest) -> tuple[list[dict] | None, "ToolMode | None"]:
         """The tools the template sees, and how calls come out: parsed from DeepSeek's markers ("auto"), forced
@@ -236,16 +245,8 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         # building and checking a grammar against the vocabulary can take a while: not on the event loop
         params = await asyncio.to_thread(_sampling, req, prompts, limit) if structured else \
             _sampling(req, prompts, limit)
-        streams: list[Stream] = []
-        try:
-            for i, ids in enumerate(prompts):
-                for j in range(req.n):
-                    p = params if req.seed is None or req.n == 1 else _with_seed(params, req.seed + j)
-                    streams.append(await loop.submit(ids, p))
-        except BaseException:
-            for s in streams:
-                loop.abort(s)
-            raise
+        streams = await loop.submit([(ids, params if req.seed is None or req.n == 1 else _with_seed(params, req.seed + j))
+                                     for ids in prompts for j in range(req.n)])
         for ids in prompts:
             metrics.prompt_tokens.inc(len(ids))
         rid = new_id("chatcmpl" if chat else "cmpl")
@@ -337,8 +338,8 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
             raise RequestError("field 'stop': stop strings must not be empty")
         bias = []
         for key, value in (req.logit_bias or {}).items():
-            if not key.strip().isdecimal():
-                raise RequestError(f"field 'logit_bias': key {key!r} is not a token id")
+            if not key.strip().isdecimal() or len(key.strip()) > 18:    # (and int() refuses 4300+ digits)
+                raise RequestError(f"field 'logit_bias': key {key[:40]!r} is not a token id")
             bias.append((int(key), _number(f"logit_bias[{key!r}]", value)))
         return SamplingParams(max_tokens=max_tokens, temperature=_number("temperature", req.temperature),
                               top_p=_number("top_p", req.top_p), top_k=max(0, req.top_k), seed=req.seed, stop=stop,
@@ -373,7 +374,7 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
     def _chat_logprobs(events: list[TokenEvent]) -> dict:
         def entry(t: int, lp: float) -> dict:
             s = tok.token_str(t) if tok is not None else str(t)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"token": s, "logprob": lp, "bytes": list(tok.token_bytes(t) if tok is not None else s.encode())}
         return {"content": [{**entry(ev.token_id, ev.logprob),
                              "top_logprobs": [entry(t, v) for t, v in ev.top_logprobs.items()]} for ev in events]}
 
@@ -434,6 +435,8 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
                     if calls:       # a call cut short by max_tokens keeps finish_reason "length", as OpenAI's
                         message = {"role": "assistant", "content": content, "tool_calls": calls}
                         finish = "tool_calls" if finish == "stop" else finish
+                    elif tools.schema is not None:   # a forced call's JSON cut short: no call, and never content
+                        message = {"role": "assistant", "content": ""}
                 choices.append({"index": idx, "message": message,
                                 "logprobs": _chat_logprobs(events) if req.logprobs is not None else None,
                                 "finish_reason": finish})
@@ -456,7 +459,8 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         while True:
             ev = await s.events.get()
             if isinstance(ev, BaseException):
-                raise ev if isinstance(ev, (RequestError, CapacityError)) else CapacityError(f"generation failed: {ev}")
+                raise ev if isinstance(ev, (RequestError, CapacityError, RequestAborted)) else \
+                    GenerationFailed(f"generation failed: {ev}")
             events.append(ev)
             if ev.finished:
                 return events
@@ -549,7 +553,8 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
                     delta = "" if held[i] else ev.text[sent[i]:end]
                     sent[i] = sent[i] if held[i] else end
                 lp = None if req.logprobs is None else _chat_logprobs([ev]) if chat else _logprobs_block([ev], emitted[i])
-                emitted[i] += len(delta)
+                # text offsets count the tokens' strings, as the whole response's do (not the text released)
+                emitted[i] += len(lp["tokens"][0]) if lp is not None and not chat else len(delta)
                 calls, deltas = None, None
                 if ev.finished and tools is not None:
                     _, calls = _calls(tools, streams[i].seq, ev.text)
@@ -594,6 +599,19 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
     return app
+
+
+class GenerationFailed(Exception):
+    """A request's generation failed inside the engine (HTTP 500)."""
+
+
+def _invalid(e: ValidationError) -> RequestError:
+    """The first thing wrong with a request body, by its field."""
+    first = e.errors()[0]
+    loc, msg = first["loc"], first["msg"]
+    if len(loc) > 1 and loc[-1] in ("int", "float"):     # a number: pydantic reports each member of the union
+        loc, msg = loc[:-1], "Input should be a number"
+    return RequestError(f"field '{_field(loc)}': {msg}")
 
 
 def _field(loc: tuple) -> str:

@@ -30,6 +30,7 @@ class Tokenizer:
         self.chat_template = None        # runtime.chat.ChatTemplate, set by load_tokenizer where the artifact has one
         self.chat_error: str | None = None    # why the artifact's chat template cannot be used
         self._renders_tools: bool | None = None
+        self._decoders: set[str] | None = None     # the decoder's types (token_bytes), read at first use
 
     @property
     def vocab_size(self) -> int:
@@ -89,6 +90,26 @@ class Tokenizer:
         stream, tok = DecodeStream(skip_special_tokens=True), self._tok
         return lambda token_id: stream.step(tok, token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (OpenAI's logprobs `bytes`), so that a token holding part of a UTF-8 character gives
+        that part rather than U+FFFD: byte-level BPE's piece mapped back through GPT-2's byte alphabet, a
+        sentencepiece byte-fallback piece ("<0xE2>") its byte; else, and for added tokens, its decoded text."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._decoders is None:
+            self._decoders = _decoder_types(json.loads(self._tok.to_str()).get("decoder"))
+        if "ByteLevel" in self._decoders:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:                # an added token, stored as its text
+                return piece.encode("utf-8")
+        if "ByteFallback" in self._decoders and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if "Metaspace" in self._decoders or "Replace" in self._decoders:
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.token_str(token_id).encode("utf-8")
+
     def token_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)
 
@@ -98,6 +119,29 @@ class Tokenizer:
 
     def token_str(self, tok: int) -> str:
         return self._tok.decode([tok], skip_special_tokens=False)
+
+
+def _decoder_types(decoder: dict | None) -> set[str]:
+    if not isinstance(decoder, dict):
+        return set()
+    return {decoder.get("type")} | set().union(*(_decoder_types(d) for d in decoder.get("decoders") or ()))
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters for the 256 bytes (GPT-2's bytes_to_unicode): printable bytes stand for
+    themselves, the others for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _gpt2_byte_alphabet()
 
 
 class IncrementalDetokenizer:

@@ -139,6 +139,8 @@ def check_tools(tools: list) -> list[dict]:
         if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(f, dict) and
                 isinstance(f.get("name"), str) and f["name"]):
             raise RequestError(f"field 'tools[{i}]' must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+        if f.get("parameters") is None:          # null: a function without parameters, as absent
+            f.pop("parameters", None)
         if not isinstance(f.get("parameters", {}), dict):
             raise RequestError(f"field 'tools[{i}].function.parameters' must be a JSON schema object")
     return tools

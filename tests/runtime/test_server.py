@@ -148,6 +148,10 @@ def test_served_greedy_equals_offline_run_also_under_32_concurrent(server):
     ({"prompt": "x", "logit_bias": {"x5": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"\u00b2": 1}}, "logit_bias"),        # a digit to isdigit(), not to int()
     ({"prompt": "x", "logit_bias": {"5": 10 ** 400}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1" * 5000: 1}}, "not a token id"),   # int() refuses 4300+ digits
+    ({"prompt": "x", "temperature": "hot"}, "'temperature': Input should be a number"),
+    ({"prompt": [[5, 6]] * 65, "max_tokens": 2}, "--max-waiting"),       # more than the queue ever holds
+    ({"prompt": ["x"] * 5, "n": 13, "temperature": 1, "max_tokens": 2}, "--max-waiting"),   # 65 sequences
     ({"prompt": "x", "temperature": 10 ** 400}, "temperature"),
     ({"prompt": "x", "logit_bias": [5]}, "logit_bias"),
     ({"prompt": "x", "stop_token_ids": [320]}, "stop_token_ids"),
@@ -164,6 +168,57 @@ def test_bad_requests_get_openai_errors(server, body, fragment):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert fragment in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_nulls_are_unset_fields_and_streamed_offsets_match(server):
+    """openai-python sends null for arguments passed as None: a null field is a field not sent (max_tokens' null
+    is 'as many as the context leaves'). Streamed logprobs' text offsets are the non-streamed ones."""
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = post(server, body)
+    nulls = post(server, {**body, **dict.fromkeys(("top_p", "n", "stream", "echo", "frequency_penalty", "seed",
+                                                   "logprobs", "stop", "suffix", "user"))})
+    assert plain.status_code == nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    r = post(server, {"prompt": [5] * 100, "max_tokens": None, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 28   # the context limit is 128
+    body = {"prompt": "Hi", "max_tokens": 8, "temperature": 0, "logprobs": 1, "ignore_eos": True, "stop": ["zzzz"]}
+    whole = post(server, body).json()["choices"][0]["logprobs"]
+    with httpx.stream("POST", server["base"] + "/v1/completions", json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:
+        chunks = [json.loads(e[6:]) for e in "".join(r.iter_text()).split("\n\n") if e and e != "data: [DONE]"]
+    streamed = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == whole["text_offset"] and len(streamed) == 8
+
+
+def test_a_request_bigger_than_the_room_left_is_refused_whole(server):
+    """A request's sequences are queued all together or not at all: one that does not fit the waiting queue now
+    gets a 503 without having taken any place in it (nothing started, nothing counted as aborted)."""
+    import asyncio
+    from deepinfer.runtime.engine_loop import EngineLoop
+    from deepinfer.runtime.sequence import SamplingParams
+
+    from deepinfer.common.errors import CapacityError, RequestError
+
+    class QueueOnly:                     # what the queue's bookkeeping reads: a queue of 4 with 2 waiting, no steps
+        class scheduler:
+            class cfg:
+                max_waiting = 4
+            waiting = [object()] * 2
+        has_work = False
+
+        def validate(self, ids, params):
+            pass
+    loop = EngineLoop(QueueOnly())
+    loop.start()
+    try:
+        sp = SamplingParams()
+        with pytest.raises(CapacityError, match="full"):
+            asyncio.run(loop.submit([([1], sp)] * 3))
+        assert loop.num_pending == 0 and loop._inbox.empty()
+        with pytest.raises(RequestError, match="more than this server queues"):
+            asyncio.run(loop.submit([([1], sp)] * 5))
+    finally:
+        loop.stop()
 
 
 def test_chat_completions_are_completions_of_the_chat_templates_prompt(server):
@@ -188,7 +243,13 @@ def test_chat_completions_are_completions_of_the_chat_templates_prompt(server):
     assert post(server, {"messages": messages, "stream": True}, path="/tokenize").status_code == 400
     assert [e.token for e in c.logprobs.content] == want["logprobs"]["tokens"]
     assert [e.logprob for e in c.logprobs.content] == pytest.approx(want["logprobs"]["token_logprobs"])
-    assert all(len(e.top_logprobs) == 1 and bytes(e.bytes).decode() == e.token for e in c.logprobs.content)
+    assert all(len(e.top_logprobs) == 1 for e in c.logprobs.content)
+    # each token's own bytes (a piece of a UTF-8 character too): together they are the text
+    assert b"".join(bytes(e.bytes) for e in c.logprobs.content).decode("utf-8", "replace") == c.message.content
+    r = post(server, {"messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": True,
+                      "structured_outputs": {"choice": ["é😀日"]}}, path="/v1/chat/completions").json()["choices"][0]
+    pieces = [bytes(e["bytes"]) for e in r["logprobs"]["content"]]
+    assert b"".join(pieces) == "é😀日".encode() and len(pieces) > 3 and r["message"]["content"] == "é😀日"
     # streamed: the role first, then the same text, then the usage
     chunks = list(client.chat.completions.create(model=model, messages=messages, max_completion_tokens=8,
                                                  temperature=0, stream=True, stream_options={"include_usage": True},
@@ -429,6 +490,16 @@ def test_tool_calls_parsed_from_deepseek_markers_and_forced_by_tool_choice(serve
     cut = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=3, temperature=0,
                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls[0].function.arguments
+    # 'required' cut short before a whole call: no call, and the JSON so far is not content either
+    cut = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=3, temperature=0,
+                                         tool_choice="required")
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    assert cut.choices[0].message.content == ""
+    # a function without parameters may say so with null (OpenAI's schema: optional)
+    r = post(server, {"messages": messages, "max_tokens": 40, "temperature": 0, "tool_choice": "required",
+                      "tools": [{"type": "function", "function": {"name": "now", "parameters": None}}]},
+             path="/v1/chat/completions")
+    assert r.status_code == 200, r.text
     r = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, tool_choice="none",
                                        max_tokens=5, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
@@ -544,6 +615,7 @@ def test_non_streaming_disconnect_aborts_too(server):
     assert _aborted(server) == before + 2
     metrics = httpx.get(server["base"] + "/metrics").text
     assert "deepinfer_kv_blocks_used 0.0" in metrics and "deepinfer_requests_running 0.0" in metrics
+    assert 'deepinfer_requests_rejected_total{status="503"}' not in metrics    # a client gone is not overload
 
 
 @pytest.mark.parametrize("raw,fragment", [
