@@ -177,9 +177,12 @@ class Engine:
             raise RequestError(f"top_p={params.top_p} must be in (0, 1]")
         if params.top_k < 0:
             raise RequestError(f"top_k={params.top_k} must be >= 0 (0 = off)")
+        if params.logprobs is not None and not 0 <= params.logprobs <= vocab:
+            raise RequestError(f"logprobs={params.logprobs} must be between 0 and the vocabulary size {vocab}")
         if params.prompt_logprobs is not None:
-            if params.prompt_logprobs < 0:
-                raise RequestError(f"prompt_logprobs={params.prompt_logprobs} must be >= 0")
+            if not 0 <= params.prompt_logprobs <= vocab:
+                raise RequestError(f"prompt_logprobs={params.prompt_logprobs} must be between 0 and the vocabulary "
+                                   f"size {vocab}")
             if not self.has_prompt_logprobs:
                 raise RequestError("prompt logprobs (echo with logprobs): this artifact was compiled without the "
                                    "prefill heads they need; compile it again with this deepinfer")

@@ -287,6 +287,9 @@ def test_eos_and_stop_strings_finish_a_sequence(engine):
     ([5], SamplingParams(max_tokens=0), "max_tokens=0"),
     ([5], SamplingParams(top_p=0.0), "top_p=0.0"),
     ([5], SamplingParams(temperature=-1.0), "temperature=-1.0"),
+    ([5], SamplingParams(logprobs=-1), "logprobs=-1"),              # topk(-1) failed the step, others with it
+    ([5], SamplingParams(logprobs=321), "logprobs=321"),            # more than the vocabulary (320)
+    ([5, 6], SamplingParams(prompt_logprobs=321), "prompt_logprobs=321"),
 ])
 def test_bad_requests_are_refused_and_lose_nothing(engine, prompt, params, message):
     with pytest.raises(RequestError, match=message):
