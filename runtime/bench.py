@@ -35,7 +35,7 @@ def pct(xs: list[float], q: float) -> float:
 def offline(artifact: str, prompt_lens: list[int], concurrency: list[int], max_tokens: int, seed: int,
             device: str = "cpu", prefix_len: int = 0, prefix_caching: bool = True,
             sampling: dict | None = None) -> list[dict]:
-    """sampling: temperature, top_p, top_k for every request (default greedy)."""
+    """sampling: temperature, top_p, top_k and the penalties for every request (default greedy)."""
     from .engine import Engine
     from .sequence import SamplingParams
     engine = Engine.from_artifact(artifact, device=device, prefix_caching=prefix_caching)
@@ -163,6 +163,9 @@ def _sampling_flags(ap: argparse.ArgumentParser) -> None:
                     help="every request's (default 0: greedy; 1 where --top-p or --top-k is given)")
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--top-k", type=int, default=None, help="-1 or 0: no top-k")
+    ap.add_argument("--presence-penalty", type=float, default=None)
+    ap.add_argument("--frequency-penalty", type=float, default=None)
+    ap.add_argument("--repetition-penalty", type=float, default=None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
                 if v is not None}
     if sampling and a.temperature is None:
         sampling["temperature"] = 1.0          # top-p/top-k alone: sampled at OpenAI's default temperature
+    sampling |= {k: v for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                 if (v := getattr(a, k)) is not None}
     if a.mode == "offline":
         if sampling.get("top_k") == -1:
             sampling["top_k"] = 0              # the server's (and vLLM's) "no top-k" is the engine's 0

@@ -1,8 +1,9 @@
 """Next-token choice per sequence: logits processing (structured outputs' grammars, min_tokens, logit_bias,
 repetition / presence / frequency penalties), then greedy or temperature, top-k, top-p, each request with its own
 seeded RNG. The batch is processed together on the logits' device (an accelerator's logits never come to the host
-whole); one uniform number a sampled token comes from the request's generator, so a seeded request draws the same
-tokens whatever else shares its steps."""
+whole); one uniform number a sampled token comes from the request's generator, so given the same logits a seeded
+request draws the same tokens whatever else shares its steps (the logits can differ in their last bits between
+token buckets: README, Sampling)."""
 
 from __future__ import annotations
 

@@ -147,8 +147,8 @@ def test_processed_and_filtered_rows_in_one_batch():
 
 
 def test_the_offline_benchmark_takes_sampling_flags(checkpoints, compile_artifact, capsys, monkeypatch):
-    """deepinfer-bench offline --temperature/--top-p/--top-k: every request samples with them, and the table
-    comes out."""
+    """deepinfer-bench offline --temperature/--top-p/--top-k and the penalties: every request samples with them,
+    and the table comes out."""
     from deepinfer.runtime import bench
     from deepinfer.runtime.engine import Engine
     art = compile_artifact(checkpoints["base"])
@@ -161,3 +161,9 @@ def test_the_offline_benchmark_takes_sampling_flags(checkpoints, compile_artifac
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 1 and rows[0]["concurrency"] == 3 and rows[0]["output_tok_s"] > 0
     assert len(seen) == 4 and all((p.temperature, p.top_p, p.top_k) == (0.8, 0.9, 20) for p in seen[1:])  # a warm-up first
+    seen.clear()        # the penalties alone: greedy, penalised
+    bench.main(["offline", str(art), "--prompt-lens", "6", "--concurrency", "2", "--max-tokens", "5",
+                "--presence-penalty", "0.5", "--frequency-penalty", "0.25", "--repetition-penalty", "1.2", "--json"])
+    capsys.readouterr()
+    assert len(seen) == 3 and all((p.temperature, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) ==
+                                  (0.0, 0.5, 0.25, 1.2) for p in seen[1:])
