@@ -325,8 +325,9 @@ class Engine:
         n = seq.params.logprobs
         if n is None:
             return tokens, [0.0] * len(tokens), [{} for _ in tokens]
-        lp = torch.log_softmax(rows[:len(tokens)].float().cpu(), dim=-1)
-        chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+        # on the rows' device, as the plain path computes them (a GPU's rows do not come to the host whole)
+        lp = torch.log_softmax(rows[:len(tokens)].float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
         if not n:
             return tokens, chosen, [{} for _ in tokens]
         v, ix = lp.topk(n, dim=-1)
