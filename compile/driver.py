@@ -65,6 +65,7 @@ def _stored_dtype(o: CompileOptions, ck: Checkpoint | None) -> str | None:
 
 def compile_artifact(o: CompileOptions, log: Log = print) -> CompileReport:
     t0 = time.perf_counter()
+    _check_out(o)
     m, ck = load_model(o)
     cc = resolve(o, m, _stored_dtype(o, ck))
     layout = make_layout(m, cc)
@@ -143,6 +144,28 @@ def _neuron_phase_two(out: Path, manifest: Manifest, log: Log) -> Manifest:
 def _with_root_hash(m: Manifest) -> Manifest:
     import dataclasses
     return dataclasses.replace(m, root_hash=m.compute_root_hash())
+
+
+ARTIFACT_ENTRIES = ("graphs", "weights", "tokenizer", "neuron")     # what install() replaces in --out
+
+
+def _check_out(o: CompileOptions) -> None:
+    """Refuse an --out whose install would delete what is not an artifact's, before any work: a file, the
+    checkpoint's own directory (or one around or inside it), or a directory without a manifest that holds
+    entries an artifact would replace (an artifact's are replaced whole)."""
+    out = o.out.resolve()
+    if out.exists() and not out.is_dir():
+        raise OptionError(f"--out {o.out}: a file, not a directory")
+    if o.model is not None:
+        model = Path(o.model).resolve()
+        if out == model or model in out.parents or out in model.parents:
+            raise OptionError(f"--out {o.out}: is, holds or lies inside the checkpoint directory {o.model}; "
+                              f"choose another directory")
+    if out.is_dir() and not (out / MANIFEST_FILE).is_file():
+        clash = sorted(e for e in ARTIFACT_ENTRIES if (out / e).exists())
+        if clash:
+            raise OptionError(f"--out {o.out}: not an artifact (no {MANIFEST_FILE}), yet it holds "
+                              f"{', '.join(clash)}, which compiling there would replace; choose another directory")
 
 
 def install(tmp: Path, out: Path) -> None:

@@ -277,3 +277,25 @@ def test_manifest_omits_an_unset_weight_dtype():
     narrow = CompileConfig(**base, weight_dtype="bfloat16")
     assert '"weight_dtype": "bfloat16"' in serde.dumps(narrow)
     assert serde.loads(CompileConfig, serde.dumps(narrow), "compile") == narrow
+
+
+def test_an_out_that_is_not_an_artifact_is_refused_before_any_work(checkpoints, tmp_path):
+    """--out must never delete what is not an artifact's: the checkpoint's directory (or one around it), a file, or
+    a directory without a manifest holding what an install replaces. Refused before anything is compiled."""
+    import shutil
+    from deepinfer.common.errors import OptionError
+    from deepinfer.compile.driver import compile_artifact
+    from deepinfer.compile.options import CompileOptions
+    ck = tmp_path / "proj" / "weights"
+    shutil.copytree(checkpoints["base"], ck)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "mine" / "weights").mkdir(parents=True)
+    (tmp_path / "mine" / "weights" / "notes.txt").write_text("keep me")
+    for out, message in ((ck, "checkpoint directory"), (ck.parent, "checkpoint directory"),
+                         (ck / "sub", "checkpoint directory"), (tmp_path / "afile", "a file"),
+                         (tmp_path / "mine", "not an artifact")):
+        with pytest.raises(OptionError, match=message):
+            compile_artifact(CompileOptions(model=ck, out=out, backend="eager", context_limit=128),
+                             log=lambda s: None)
+    assert sorted(p.name for p in ck.iterdir()) == sorted(p.name for p in checkpoints["base"].iterdir())
+    assert (tmp_path / "mine" / "weights" / "notes.txt").read_text() == "keep me"
