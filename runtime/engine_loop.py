@@ -194,7 +194,6 @@ class EngineLoop:
         if self.on_step is not None:
             self.on_step(self.engine, outputs, time.perf_counter() - t)
 
-
     def _resolve_stream(self, fut: asyncio.Future, stream: Stream) -> None:
         if fut.cancelled():         # its request is gone (the client left while it was queued)
             self.abort(stream)

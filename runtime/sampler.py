@@ -177,26 +177,26 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids=frozenset
     rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if rep:
         seen = [seqs[i].token_stats().seen for i in rep]
-        r, t = _pairs(rep, seen, dev), torch.from_numpy(np.concatenate(seen)).to(dev)
-        pen = torch.from_numpy(np.repeat(np.array([seqs[i].params.repetition_penalty for i in rep], np.float32),
-                                         [len(x) for x in seen])).to(dev, logits.dtype)
+        r, t = _per_entry(rep, seen, np.int64, dev), torch.from_numpy(np.concatenate(seen)).to(dev)
+        pen = _per_entry([seqs[i].params.repetition_penalty for i in rep], seen, np.float32, dev).to(logits.dtype)
         x = logits[r, t]
         logits[r, t] = torch.where(x > 0, x / pen, x * pen)
     pf = [i for i, s in enumerate(seqs) if (s.params.presence_penalty or s.params.frequency_penalty) and s.output_ids]
     if pf:
         stats = [seqs[i].token_stats() for i in pf]
-        counts = np.concatenate([st.counts for st in stats]).astype(np.float32)
-        freq, pres = (np.repeat(np.array([getattr(seqs[i].params, k) for i in pf], np.float32),
-                                [len(st.counts) for st in stats]) for k in ("frequency_penalty", "presence_penalty"))
-        logits.index_put_((_pairs(pf, [st.outputs for st in stats], dev),
-                           torch.from_numpy(np.concatenate([st.outputs for st in stats])).to(dev)),
-                          torch.from_numpy(-(freq * counts + pres)).to(dev, logits.dtype), accumulate=True)
+        outputs = [st.outputs for st in stats]
+        counts = torch.from_numpy(np.concatenate([st.counts for st in stats]).astype(np.float32))
+        freq, pres = (_per_entry([getattr(seqs[i].params, k) for i in pf], outputs, np.float32, torch.device("cpu"))
+                      for k in ("frequency_penalty", "presence_penalty"))
+        logits.index_put_((_per_entry(pf, outputs, np.int64, dev), torch.from_numpy(np.concatenate(outputs)).to(dev)),
+                          (-(freq * counts + pres)).to(dev, logits.dtype), accumulate=True)
     return logits
 
 
-def _pairs(rows: list[int], per_row: list[np.ndarray], dev: torch.device) -> torch.Tensor:
-    """The row index of each entry of per_row's arrays laid end to end."""
-    return torch.from_numpy(np.repeat(np.array(rows, np.int64), [len(x) for x in per_row])).to(dev)
+def _per_entry(per_row: list, arrays: list[np.ndarray], dtype, dev: torch.device) -> torch.Tensor:
+    """Each row's value repeated for every entry of its array, the arrays laid end to end (a row index, a
+    penalty)."""
+    return torch.from_numpy(np.repeat(np.array(per_row, dtype), [len(a) for a in arrays])).to(dev)
 
 
 def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float,

@@ -167,7 +167,7 @@ class TokenStats:
                 self._seen.append(t)
             j = self._slot.get(t)
             if j is None:
-                self._slot[t] = len(self._outputs.view())
+                self._slot[t] = self._outputs.n
                 self._outputs.append(t)
                 self._counts.append(1)
             else:

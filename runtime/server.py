@@ -125,7 +125,7 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
             if extra:
                 raise RequestError(f"/tokenize with 'messages' takes 'add_generation_prompt' and 'tools' too, not "
                                    f"{sorted(extra)}")
-            creq = _chat_request(body)
+            creq = _parse(ChatCompletionRequest, body)
             if tok is None:
                 raise no_tokenizer("/tokenize")
             messages = [_message(i, m) for i, m in enumerate(creq.messages)]
@@ -159,18 +159,14 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(request: Request):
-        body = await _json(request)
-        try:    # a field sent as null is a field not sent (as in chat), except max_tokens, whose null is a value
-            req = CompletionRequest.model_validate({k: v for k, v in body.items() if v is not None or k == "max_tokens"})
-        except ValidationError as e:
-            raise _invalid(e) from None
+        req = _parse(CompletionRequest, await _json(request))
         prompts, texts = _prompts(req, tok)
         return await _generate(request, req, prompts, texts, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(request: Request):
         body = await _json(request)
-        creq = _chat_request(body)
+        creq = _parse(ChatCompletionRequest, body)
         if tok is None:
             raise no_tokenizer("a chat request")
         messages = [_message(i, m) for i, m in enumerate(creq.messages)]
@@ -196,12 +192,6 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
                                 else creq.max_completion_tokens,
                                 logprobs=(creq.top_logprobs or 0) if creq.logprobs else None)
         return await _generate(request, req, [ids], [None], chat=True, tools=mode)
-
-    def _chat_request(body: dict) -> ChatCompletionRequest:
-        try:    # a field sent as null is a field not sent (the openai client sends nulls for unset arguments)
-            return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-        except ValidationError as e:
-            raise _invalid(e) from None
 
     def _tool_mode(creq: ChatCompletionRequest) -> tuple[list[dict] | None, "ToolMode | None"]:
         """The tools the template sees, and how calls come out: parsed from DeepSeek's markers ("auto"), forced
@@ -245,8 +235,8 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         # building and checking a grammar against the vocabulary can take a while: not on the event loop
         params = await asyncio.to_thread(_sampling, req, prompts, limit) if structured else \
             _sampling(req, prompts, limit)
-        streams = await loop.submit([(ids, params if req.seed is None or req.n == 1 else _with_seed(params, req.seed + j))
-                                     for ids in prompts for j in range(req.n)])
+        streams = await loop.submit([(ids, params if req.seed is None or req.n == 1 else
+                                      _with_seed(params, req.seed + j)) for ids in prompts for j in range(req.n)])
         for ids in prompts:
             metrics.prompt_tokens.inc(len(ids))
         rid = new_id("chatcmpl" if chat else "cmpl")
@@ -603,6 +593,15 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
 
 class GenerationFailed(Exception):
     """A request's generation failed inside the engine (HTTP 500)."""
+
+
+def _parse(model, body: dict):
+    """A request body as `model`. A field sent as null is a field not sent (the openai client sends nulls for unset
+    arguments), except max_tokens, whose null is a value ("as many as the context leaves")."""
+    try:
+        return model.model_validate({k: v for k, v in body.items() if v is not None or k == "max_tokens"})
+    except ValidationError as e:
+        raise _invalid(e) from None
 
 
 def _invalid(e: ValidationError) -> RequestError:
