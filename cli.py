@@ -128,6 +128,10 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
         capacity_factor=capacity_factor, moe_decode_path=moe_decode_path, moe_path=moe_path, shape_only=shape_only,
         device_memory=None if device_memory is None else _gib(device_memory),
         neuron_target=neuron_target, cache_dir=cache_dir, keep_going=keep_going, jobs=jobs)
+    from .compile.lock import read_lock
+    for lock in (update_lock, check_lock):     # a bad lock file is said before the compile, not after it
+        if lock is not None:
+            read_lock(lock)
     report = compile_artifact(opts, log=lambda s: click.echo(s, err=True))
     if update_lock is not None:
         from .compile.lock import update_lock as write_lock

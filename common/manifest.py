@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,8 @@ from . import serde
 from .errors import ArtifactError
 from .model_config import ModelConfig
 
-SCHEMA_VERSION = 3          # 2: compile.moe_path (grouped | static); 3: packed prefill (context_starts input)
+SCHEMA_VERSION = 4          # 2: compile.moe_path (grouped | static); 3: packed prefill (context_starts input);
+                            # 4: the root hash covers graph entries whole and the toolchain
 MANIFEST_FILE = "manifest.json"
 
 # Step kinds: prompt-as-decode (small T, one block-table row per token)
@@ -181,13 +183,16 @@ class Manifest:
         raise ArtifactError(f"manifest has no graph for region={region} kind={kind} tokens={tokens} context={context}")
 
     def compute_root_hash(self) -> str:
-        """One hash over everything that defines the artifact: graphs, weights, tokenizer, config."""
+        """One hash over everything that defines the artifact: graphs (what the runtime reads of each entry: its
+        file, inputs, weights and outputs), weights, tokenizer, config, toolchain. The compiled files' own hashes
+        are left out (machine specific; the files are checked against them at load)."""
         h = hashlib.sha256()
         h.update(serde.dumps(self.model).encode())
         h.update(serde.dumps(self.compile).encode())
         h.update(serde.dumps(self.layout).encode())
+        h.update(serde.dumps(self.toolchain).encode())
         for g in sorted(self.graphs, key=lambda g: g.name):
-            h.update(f"{g.name}:{g.graph_hash}\n".encode())
+            h.update(f"{serde.dumps(dataclasses.replace(g, file_sha256=''))}\n".encode())
         for w in sorted(self.weights, key=lambda w: w.rank):
             h.update(f"weights{w.rank}:{w.sha256}\n".encode())
         for t in sorted(self.tokenizer, key=lambda t: t.path):
@@ -215,7 +220,14 @@ class Manifest:
         if not path.is_file():
             raise ArtifactError(f"{path}: no manifest (not a complete deepinfer artifact; "
                                 f"was the compile interrupted?)")
-        return cls.loads(path.read_text(), str(path))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ArtifactError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); the manifest is damaged") \
+                from None
+        except OSError as e:
+            raise ArtifactError(f"{path}: cannot be read ({e.strerror or e})") from None
+        return cls.loads(text, str(path))
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:

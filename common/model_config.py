@@ -139,11 +139,15 @@ class ModelConfig:
     def from_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         try:
-            cfg = json.loads(path.read_text())
+            cfg = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such file (a checkpoint directory needs config.json)") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
         if not isinstance(cfg, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         return _parse(cfg, str(path))
@@ -177,6 +181,8 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
             return float(v)
         if kind is int and isinstance(v, bool) or not isinstance(v, kind):
             raise ConfigError(f"{source}: field '{name}'={v!r} must be {kind.__name__}")
+        if kind is float and not math.isfinite(v):      # json reads NaN and Infinity
+            raise ConfigError(f"{source}: field '{name}'={v!r} must be a finite number")
         return v
 
     model_type = cfg.get("model_type")
@@ -220,6 +226,8 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
     ckpt_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     q = cfg.get("quantization_config")
     if q:
+        if not isinstance(q, dict):
+            raise ConfigError(f"{source}: quantization_config={q!r} must be an object")
         if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
             raise ConfigError(f"{source}: quantization_config={q!r} is not supported (only fp8 e4m3 block scales)")
         bs = q.get("weight_block_size")
@@ -261,7 +269,7 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
         max_position_embeddings=opt("max_position_embeddings", 4096),
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         eos_token_ids=eos_ids,
-        num_nextn_predict_layers=opt("num_nextn_predict_layers", 0),
+        num_nextn_predict_layers=opt("num_nextn_predict_layers", 1),
         checkpoint_dtype=str(ckpt_dtype),
         fp8_block_size=fp8_block,
     )
@@ -343,3 +351,9 @@ def validate(mc: ModelConfig, source: str = "config") -> None:
     for e in mc.eos_token_ids:
         if not 0 <= e < mc.vocab_size:
             raise ConfigError(f"{source}: eos_token_id={e} is outside the vocabulary [0, {mc.vocab_size})")
+    if mc.bos_token_id is not None and not 0 <= mc.bos_token_id < mc.vocab_size:
+        raise ConfigError(f"{source}: bos_token_id={mc.bos_token_id} is outside the vocabulary [0, {mc.vocab_size})")
+    if mc.max_position_embeddings <= 0:
+        raise ConfigError(f"{source}: max_position_embeddings={mc.max_position_embeddings} must be positive")
+    if mc.num_nextn_predict_layers < 0:
+        raise ConfigError(f"{source}: num_nextn_predict_layers={mc.num_nextn_predict_layers} must be >= 0")

@@ -29,15 +29,7 @@ class Checkpoint:
         self.skipped: list[str] = []
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: unreadable index ({e})") from None
-            for name, file in weight_map.items():
-                f = self.path / file
-                if not f.is_file():
-                    raise CheckpointError(f"{index}: tensor '{name}' points to missing file {file}")
-                self._where[name] = f
+            self._read_index(index)
         else:
             for f in sorted(self.path.glob("*.safetensors")):
                 for name in self._open(f).keys():
@@ -47,13 +39,46 @@ class Checkpoint:
         if require_weights and not self._where:
             raise CheckpointError(f"{self.path}: no *.safetensors weights found "
                                   f"(use a shape-only compile to build without weights)")
-        mtp = re.compile(rf"^model\.layers\.(\d+)\.")
-        for name in list(self._where):
-            mm = mtp.match(name)
-            if mm and int(mm.group(1)) >= self.config.num_hidden_layers:
-                self.skipped.append(name)
-                del self._where[name]
-        self.notes = [_MTP_NOTE.format(n=self.config.num_hidden_layers)] if self.skipped else []
+        self._skip_mtp_layers()
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or not (self.path / file).is_file():
+                raise CheckpointError(f"{index}: tensor '{name}' points to missing file {file!r}")
+            self._where[name] = self.path / file
+        by_file: dict[Path, list[str]] = {}
+        for name, f in self._where.items():
+            by_file.setdefault(f, []).append(name)
+        for f, names in sorted(by_file.items()):     # headers only: a wrong map fails here, not mid-compile
+            held = set(self._open(f).keys())
+            missing = [n for n in names if n not in held]
+            if missing:
+                raise CheckpointError(f"{index}: tensor '{missing[0]}' is mapped to {f.name}, which does not hold it"
+                                      + (f" ({len(missing) - 1} more like it)" if len(missing) > 1 else ""))
+
+    def _skip_mtp_layers(self) -> None:
+        """The multi-token-prediction layers (num_hidden_layers .. + num_nextn_predict_layers - 1) are skipped on
+        purpose; a layer past them means config.json's num_hidden_layers is smaller than the checkpoint's."""
+        L, nextn = self.config.num_hidden_layers, self.config.num_nextn_predict_layers
+        layer = re.compile(r"^model\.layers\.(\d+)\.")
+        for name in sorted(self._where):
+            mm = layer.match(name)
+            if not mm or int(mm.group(1)) < L:
+                continue
+            if int(mm.group(1)) >= L + nextn:
+                raise CheckpointError(
+                    f"{self.path}: tensor '{name}' belongs to layer {mm.group(1)}, past the model's {L} layers "
+                    f"(config.json num_hidden_layers) and {nextn} multi-token-prediction layer(s) "
+                    f"(num_nextn_predict_layers): the config does not describe these weights")
+            self.skipped.append(name)
+            del self._where[name]
+        self.notes = [_MTP_NOTE.format(n=L)] if self.skipped else []
 
     @property
     def has_weights(self) -> bool:
@@ -103,6 +128,9 @@ class Checkpoint:
         t = self._open(self._where[name]).get_tensor(name)
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             t = self._dequant_fp8(name, t)
+        elif not t.is_floating_point():
+            raise CheckpointError(f"{self.path}: tensor '{name}' is stored as {str(t.dtype).removeprefix('torch.')}; "
+                                  f"weights are read as float32, bfloat16, float16 or FP8 with block scales")
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{self.path}: tensor '{name}' has shape {tuple(t.shape)}, "
                                   f"the config needs {tuple(shape)}")
@@ -114,6 +142,9 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: FP8 tensor '{name}' has no '{scale_name}' block scales; "
                                   f"refusing to load raw FP8 bytes")
         block = self.config.fp8_block_size or (128, 128)
+        if t.dim() != 2:
+            raise CheckpointError(f"{self.path}: FP8 tensor '{name}' has shape {tuple(t.shape)}; block scales "
+                                  f"apply to 2-D weight matrices only")
         scale = self._open(self._where[scale_name]).get_tensor(scale_name).float()
         rows, cols = t.shape
         want = (-(-rows // block[0]), -(-cols // block[1]))

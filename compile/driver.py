@@ -47,7 +47,25 @@ def load_model(o: CompileOptions) -> tuple[ModelConfig, Checkpoint | None]:
         return ModelConfig.from_file(path), None
     ck = Checkpoint(o.model)
     check_checkpoint(ck.config, ck)
+    _check_tokenizer(ck)
     return ck.config, ck
+
+
+def _check_tokenizer(ck: Checkpoint) -> None:
+    """Load the tokenizer as the runtime will: one it cannot read, or with ids past the model's vocabulary,
+    fails the compile instead of every start (or every prompt) of the artifact."""
+    from ..runtime.tokenizer import Tokenizer
+    path, cfg = ck.path / "tokenizer.json", ck.path / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    try:
+        tok = Tokenizer(path, cfg if cfg.is_file() else None, ck.config.bos_token_id)
+    except DeepinferError as e:
+        raise CheckpointError(str(e)) from None
+    top = tok.max_token_id()
+    if top >= ck.config.vocab_size:
+        raise CheckpointError(f"{path}: token id {top} is outside the model's vocabulary [0, {ck.config.vocab_size}) "
+                              f"(config.json vocab_size): the embedding has no row for it")
 
 
 def _stored_dtype(o: CompileOptions, ck: Checkpoint | None) -> str | None:
@@ -104,7 +122,7 @@ def compile_artifact(o: CompileOptions, log: Log = print) -> CompileReport:
         tok = _copy_tokenizer(ck, tmp)
         cache = backends.CompileCache(o.cache_dir or default_cache_dir())
         graphs, failed = _build_graphs(plans, cc, tc, tmp, cache, o.keep_going, o.jobs or os.cpu_count() or 1, log)
-        manifest = Manifest(schema_version=SCHEMA_VERSION, name=o.model.name, model=m, compile=cc, layout=layout,
+        manifest = Manifest(schema_version=SCHEMA_VERSION, name=o.model.resolve().name, model=m, compile=cc, layout=layout,
                             graphs=tuple(graphs), weights=tuple(shards), tokenizer=tuple(tok), toolchain=tc,
                             memory=tuple(memory))
         manifest = _with_root_hash(manifest)

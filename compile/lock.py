@@ -41,14 +41,21 @@ def lock_entry(m: Manifest) -> dict:
 
 
 def read_lock(path: Path) -> dict:
+    if path.exists() and not path.is_file():
+        raise OptionError(f"{path}: not a file (a lock file is JSON)")
     if not path.is_file():
         return {"schema": LOCK_SCHEMA, "entries": {}}
     try:
-        data = json.loads(path.read_text())
-    except ValueError as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:
         raise OptionError(f"{path}: not a valid lock file ({e})") from None
+    if not isinstance(data, dict):
+        raise OptionError(f"{path}: not a valid lock file (expected a JSON object)")
     if data.get("schema") != LOCK_SCHEMA:
         raise OptionError(f"{path}: lock schema {data.get('schema')!r}, expected {LOCK_SCHEMA}")
+    entries = data.get("entries")
+    if not isinstance(entries, dict) or not all(isinstance(e, dict) for e in entries.values()):
+        raise OptionError(f"{path}: not a valid lock file ('entries' must map configurations to objects)")
     return data
 
 
@@ -76,11 +83,13 @@ def check_lock(m: Manifest, path: Path) -> list[str]:
                     f"(graph hashes are only comparable on the same torch)")
     for section, label in (("graphs", "graph"), ("weights", "weights"), ("tokenizer", "tokenizer")):
         a, b = want.get(section, {}), got[section]
+        if not isinstance(a, dict):
+            raise OptionError(f"{path}: not a valid lock file (entry [{key}] '{section}' is not an object)")
         for name in sorted(set(a) | set(b)):
             if name not in b:
                 diff.append(f"vanished  {label} {name}")
             elif name not in a:
                 diff.append(f"appeared  {label} {name} {b[name][:16]}")
             elif a[name] != b[name]:
-                diff.append(f"changed   {label} {name} {a[name][:16]} -> {b[name][:16]}")
+                diff.append(f"changed   {label} {name} {str(a[name])[:16]} -> {b[name][:16]}")
     return diff

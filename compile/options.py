@@ -85,6 +85,9 @@ def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) 
     if o.backend == "neuron" and o.neuron_target not in NEURON_TARGETS:
         raise OptionError(f"--neuron-target={o.neuron_target!r} must be one of {', '.join(NEURON_TARGETS)} "
                           f"with --backend neuron")
+    if o.backend != "neuron" and o.neuron_target is not None:
+        raise OptionError(f"--neuron-target={o.neuron_target} applies to --backend neuron only "
+                          f"(this compile's backend is {o.backend})")
     for flag, v in (("--cp", o.cp), ("--ep", o.ep), ("--block-size", o.block_size)):
         if v < 1:
             raise OptionError(f"{flag}={v} must be >= 1")

@@ -43,6 +43,31 @@ def open_artifact(root: str | Path, verify: bool = True, check_toolchain: bool =
     return art
 
 
+_DEVICES = {"cpu": ("cpu",), "neuron": ("cpu",), "eager": ("cpu", "cuda"), "cuda": ("cpu", "cuda")}
+
+
+def check_device(manifest: Manifest, device: str) -> None:
+    """`--device` against this host and the artifact's backend, before anything loads or spawns."""
+    from ..common.errors import OptionError
+    backend = manifest.compile.backend
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise OptionError(f"--device {device!r} is not a device (cpu, cuda or cuda:N)") from None
+    allowed = _DEVICES.get(backend, ("cpu", "cuda"))
+    if dev.type not in allowed:
+        hint = {"cpu": "compile with --backend cuda for a GPU", "neuron": "its graphs run on NeuronCores"}.get(
+            backend, "")
+        raise OptionError(f"--device {device}: this artifact's backend is {backend}, which runs on "
+                          f"{' or '.join(allowed)}" + (f" ({hint})" if hint else ""))
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "" if torch.version.cuda else "; this torch is a CPU-only build"
+            raise OptionError(f"--device {device}: no CUDA device is available here{build}")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise OptionError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def verify_files(art: Artifact) -> None:
     """Every file the manifest names: present, full size, same sha256. Names the first bad file."""
     m = art.manifest

@@ -15,7 +15,7 @@ import torch
 
 from ..common.errors import RequestError
 from ..common.manifest import Manifest
-from .artifact import Artifact, load_graph, load_weights, open_artifact
+from .artifact import Artifact, check_device, load_graph, load_weights, open_artifact
 from .model_runner import ModelRunner, RegionTimer, build_inputs, logit_rows
 from .sampler import sample
 from .speculative import verify as verify_draft
@@ -78,6 +78,7 @@ class Engine:
         or, with `torchrun=(rank, world)` (set by torchrun), rank 0 leads ranks started elsewhere and
         every other rank serves as a follower until the leader stops (then this returns None)."""
         art = open_artifact(path, verify=verify)
+        check_device(art.manifest, device)
         tok = load_tokenizer(art.root, [t.path for t in art.manifest.tokenizer], art.manifest.model.bos_token_id)
         world = art.manifest.layout.world
         if world == 1:

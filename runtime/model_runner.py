@@ -6,6 +6,7 @@ same record drives the leader and, through shared memory, its followers.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -13,6 +14,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..common.errors import ArtifactError
 from ..common.manifest import (DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER, PREFILL, CompileConfig,
                                Manifest, graph_name)
 from .block_manager import blocks_for
@@ -133,8 +135,14 @@ class ModelRunner:
         m, cc = manifest.model, manifest.compile
         self.num_layers = m.num_hidden_layers
         dtype = DTYPES[cc.dtype]
-        self.kv_caches = [torch.zeros(cc.kv_blocks_per_rank + 1, cc.block_size, m.kv_cache_dim, dtype=dtype,
-                                      device=self.device) for _ in range(m.num_hidden_layers)]
+        shape = (cc.kv_blocks_per_rank + 1, cc.block_size, m.kv_cache_dim)
+        try:
+            self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(m.num_hidden_layers)]
+        except (RuntimeError, MemoryError) as e:      # torch.OutOfMemoryError is a RuntimeError
+            gib = math.prod(shape) * dtype.itemsize * m.num_hidden_layers / 2**30
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ArtifactError(f"the KV pool ({cc.kv_blocks_per_rank} blocks a rank, {gib:.1f} GiB) does not fit "
+                                f"on {self.device} ({why[:200]}); recompile with a smaller --num-kv-blocks") from None
         entries = {g.name: g for g in manifest.graphs}
         # Per region: the weight dict of each layer (or the single global one), built once.
         self.layer_weights: dict[str, dict[int, dict[str, torch.Tensor]]] = {}

@@ -649,12 +649,14 @@ def _structure(req, engine) -> str | None:
         raise RequestError(f"field 'structured_outputs': unknown key(s) {', '.join(sorted(unknown))} (one of json, "
                            f"regex, choice, grammar, json_object)")
     for key, value in so.items():
+        if value is None:             # what clients send for an option left unset
+            continue
         if key == "json_object":
             if not isinstance(value, bool):
                 raise RequestError("field 'structured_outputs': 'json_object' takes true or false")
             if value:
                 specs.append(("structured_outputs", "json_object", None))
-        elif value is not None:
+        else:
             specs.append(("structured_outputs", key, value))
     for key in ("json", "regex", "choice", "grammar"):
         value = getattr(req, "guided_" + key)

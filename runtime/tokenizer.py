@@ -21,9 +21,9 @@ class Tokenizer:
         add_bos = False
         if config_json is not None and config_json.is_file():
             try:
-                add_bos = bool(json.loads(config_json.read_text()).get("add_bos_token", False))
-            except ValueError:
-                raise ArtifactError(f"{config_json}: not valid JSON") from None
+                add_bos = bool(json.loads(config_json.read_text(encoding="utf-8")).get("add_bos_token", False))
+            except (ValueError, AttributeError):      # UnicodeDecodeError is a ValueError
+                raise ArtifactError(f"{config_json}: not a valid JSON object") from None
         # The tokenizer's own post-processor may already add BOS (as transformers' tokenizers do by default);
         # tokenizer_config's add_bos_token covers tokenizers that rely on the config instead.
         self.bos_id = bos_token_id if add_bos else None
@@ -35,6 +35,9 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def max_token_id(self) -> int:
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:

@@ -72,6 +72,11 @@ def test_rope_matches_transformers():
     ({"rope_scaling": {k: v for k, v in V3_671B["rope_scaling"].items() if k != "original_max_position_embeddings"},
       "original_max_position_embeddings": "4k"}, "'original_max_position_embeddings'='4k'"),
     ({"rope_theta": "1e4"}, "'rope_theta'='1e4' must be a positive number"),
+    ({"routed_scaling_factor": float("nan")}, "'routed_scaling_factor'=nan must be a finite number"),
+    ({"rms_norm_eps": float("inf")}, "'rms_norm_eps'=inf must be a finite number"),
+    ({"quantization_config": ["fp8"]}, "quantization_config=['fp8'] must be an object"),
+    ({"bos_token_id": 129280}, "bos_token_id=129280 is outside the vocabulary"),
+    ({"max_position_embeddings": 0, "rope_scaling": None}, "max_position_embeddings=0 must be positive"),
 ])
 def test_bad_config_names_the_field(change, message):
     cfg = copy.deepcopy(V3_671B)
@@ -85,11 +90,22 @@ def test_absent_optional_fields_read_as_transformers_reads_them():
     transformers' DeepseekV3Config, or the two would route the same checkpoint differently."""
     from transformers import DeepseekV3Config
     optional = ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "first_k_dense_replace",
-                "n_shared_experts", "q_lora_rank", "rms_norm_eps", "rope_interleave", "tie_word_embeddings")
+                "n_shared_experts", "q_lora_rank", "rms_norm_eps", "rope_interleave", "tie_word_embeddings",
+                "num_nextn_predict_layers")
     cfg = {k: v for k, v in V3_671B.items() if k not in optional}
     ours, hf = ModelConfig.from_hf_dict(cfg), DeepseekV3Config()
     for k in optional:
         assert getattr(ours, k) == getattr(hf, k), k
+
+
+def test_unreadable_config_file_is_named(tmp_path):
+    (tmp_path / "config.json").write_bytes(b'{"vocab_size": "\xd0\x00"}')
+    with pytest.raises(ConfigError, match="config.json: not UTF-8 text"):
+        ModelConfig.from_file(tmp_path / "config.json")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "config.json").mkdir()
+    with pytest.raises(ConfigError, match="config.json: cannot be read"):
+        ModelConfig.from_file(tmp_path / "dir" / "config.json")
 
 
 def test_missing_field_is_named():
@@ -140,6 +156,28 @@ def test_unexpected_tensor_is_refused_but_mtp_layer_is_skipped(checkpoints, tmp_
         check_checkpoint(c.config, c)
 
 
+def test_layers_past_the_config_are_refused_not_skipped(checkpoints, tmp_path):
+    """Only the num_nextn_predict_layers layers after the model's are multi-token prediction: a config with fewer
+    layers than its checkpoint must not run a truncated model."""
+    ck = _copy(checkpoints["base"], tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    (ck / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=layers - 1, num_nextn_predict_layers=0)))
+    with pytest.raises(CheckpointError, match=rf"belongs to layer {layers - 1}, past the model's {layers - 1} layers"):
+        Checkpoint(ck)
+    (ck / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=layers - 1, num_nextn_predict_layers=1)))
+    assert Checkpoint(ck).skipped and all(n.startswith(f"model.layers.{layers - 1}.") for n in Checkpoint(ck).skipped)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool])
+def test_non_float_weight_is_refused(checkpoints, tmp_path, dtype):
+    ck = _copy(checkpoints["base"], tmp_path)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    _edit_tensors(ck, lambda t: t.update({name: t[name].to(dtype)}))
+    with pytest.raises(CheckpointError, match=rf"'{name}' is stored as {str(dtype).removeprefix('torch.')}"):
+        Checkpoint(ck).get(name)
+
+
 def test_fp8_block_dequantization(tmp_path):
     w = torch.randn(200, 300)
     scale = torch.rand(2, 3) + 0.5
@@ -152,6 +190,9 @@ def test_fp8_block_dequantization(tmp_path):
     assert got.dtype == torch.float32 and torch.equal(got, want)
     save_file({"x.weight": q}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="no 'x.weight_scale_inv' block scales"):
+        Checkpoint(tmp_path).get("x.weight")
+    save_file({"x.weight": q[0], "x.weight_scale_inv": scale[:1, :1]}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'x.weight' has shape \(300,\); block scales apply to 2-D"):
         Checkpoint(tmp_path).get("x.weight")
 
 
@@ -169,6 +210,37 @@ def test_sharded_checkpoint_index(checkpoints, tmp_path):
     c = Checkpoint(ck)
     check_checkpoint(c.config, c)
     assert torch.equal(c.get(names[-1]), tensors[names[-1]])
+    index = ck / "model.safetensors.index.json"
+    for bad, message in (({**wm, names[0]: "model-00002-of-00002.safetensors"},
+                          f"'{names[0]}' is mapped to model-00002-of-00002.safetensors, which does not hold it"),
+                         ({**wm, names[0]: None}, f"'{names[0]}' points to missing file None"),
+                         (list(wm), "'weight_map' must map tensor names to file names")):
+        index.write_text(json.dumps({"weight_map": bad}))
+        with pytest.raises(CheckpointError, match=message):
+            Checkpoint(ck)
+
+
+def test_tokenizer_is_loaded_at_compile(checkpoints, tmp_path):
+    """What the runtime could not load (or would refuse prompt by prompt) fails the compile."""
+    from deepinfer.compile.driver import load_model
+    ck = _copy(checkpoints["base"], tmp_path)
+    opts = CompileOptions(model=ck, out=tmp_path / "out", backend="eager")
+    load_model(opts)
+    good = (ck / "tokenizer.json").read_text()
+    (ck / "tokenizer.json").write_text('{"version": 1.0,')
+    with pytest.raises(CheckpointError, match="tokenizer.json: not a readable tokenizer"):
+        load_model(opts)
+    (ck / "tokenizer.json").write_text(good)
+    (ck / "tokenizer_config.json").write_bytes(b"\xd0\x00")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json: not a valid JSON object"):
+        load_model(opts)
+    (ck / "tokenizer_config.json").unlink()
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps(dict(cfg, vocab_size=200)))
+    _edit_tensors(ck, lambda t: t.update({k: t[k][:200].clone() for k in ("model.embed_tokens.weight",
+                                                                           "lm_head.weight")}))
+    with pytest.raises(CheckpointError, match=r"tokenizer.json: token id 262 is outside the model's vocabulary \[0, 200\)"):
+        load_model(opts)
 
 
 @pytest.mark.parametrize("kw,message", [
@@ -184,6 +256,7 @@ def test_sharded_checkpoint_index(checkpoints, tmp_path):
     (dict(moe_path="fast"), "--moe-path='fast' must be auto, grouped or static"),
     (dict(moe_path="grouped", moe_capacity=4), "--moe-capacity: only for --moe-path static"),
     (dict(moe_path="grouped", backend="neuron", neuron_target="trn2"), "the Neuron backend does not have"),
+    (dict(neuron_target="trn2"), "--neuron-target=trn2 applies to --backend neuron only"),
     (dict(capacity_factor=float("nan")), "--capacity-factor=nan must be a finite number"),
     (dict(weight_dtype="float16"), "--weight-dtype='float16' is not one of auto, float32, bfloat16"),
     (dict(weight_dtype="bfloat16", backend="cuda"), "--weight-dtype=bfloat16 with --dtype=float32 --backend=cuda"),

@@ -108,6 +108,48 @@ def test_truncated_or_missing_file_and_edited_manifest_are_refused(checkpoints, 
         open_artifact(art)
 
 
+def test_manifest_edits_the_file_hashes_cannot_see_are_refused(checkpoints, compile_artifact, tmp_path):
+    """Two graphs' files swapped in the manifest (each file still matching the hash beside it), the toolchain
+    edited, or a manifest that is not text: all refused before anything loads."""
+    import shutil
+    art = tmp_path / "art"
+    shutil.copytree(compile_artifact(checkpoints["base"]), art)
+    mf = art / "manifest.json"
+    good = mf.read_text()
+    data = json.loads(good)
+    g = {x["name"]: x for x in data["graphs"]}
+    a, b = g["moe_layer.decode.t1.c64"], g["dense_layer.decode.t1.c64"]
+    a["file"], a["file_sha256"] = b["file"], b["file_sha256"]
+    mf.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="root hash does not match"):
+        open_artifact(art)
+    data = json.loads(good)
+    data["toolchain"]["compiler"] += " (edited)"
+    mf.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="root hash does not match"):
+        open_artifact(art)
+    mf.write_bytes(b'{"schema_version": "\xd0\x00"}')
+    with pytest.raises(ArtifactError, match="manifest.json: not UTF-8 text"):
+        open_artifact(art)
+
+
+@pytest.mark.parametrize("content,message", [
+    ("[]", "expected a JSON object"), ('{"schema": 1, "entries": []}', "'entries' must map"),
+    ('{"schema": 1, "entries": {"k": []}}', "'entries' must map"), ("{nope", "not a valid lock file"),
+    (None, "not a file")])
+def test_bad_lock_file_is_named(checkpoints, compile_artifact, tmp_path, content, message):
+    from deepinfer.common.errors import OptionError
+    m = Manifest.read(compile_artifact(checkpoints["base"]))
+    lock = tmp_path / "lock.json"
+    if content is None:
+        lock.mkdir()
+    else:
+        lock.write_text(content)
+    for fn in (check_lock, update_lock):
+        with pytest.raises(OptionError, match=message):
+            fn(m, lock)
+
+
 def test_toolchain_mismatch_is_refused(checkpoints, compile_artifact, tmp_path):
     import dataclasses
     import shutil

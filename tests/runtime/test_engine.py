@@ -365,6 +365,32 @@ def test_cpu_weights_load_into_an_anonymous_arena_with_the_file_values(artifact)
         assert t.dtype == odd[name].dtype and torch.equal(t, odd[name])
 
 
+def test_a_device_the_host_or_artifact_cannot_run_is_refused_before_loading(artifact):
+    from deepinfer.common.errors import OptionError
+    from deepinfer.runtime.artifact import check_device, open_artifact
+    m = open_artifact(artifact).manifest          # eager: cpu or cuda
+    check_device(m, "cpu")
+    with pytest.raises(OptionError, match="--device 'foo' is not a device"):
+        Engine.from_artifact(artifact, device="foo")
+    if not torch.cuda.is_available():
+        with pytest.raises(OptionError, match="--device cuda:0: no CUDA device is available here"):
+            check_device(m, "cuda:0")
+    aoti = dataclasses.replace(m, compile=dataclasses.replace(m.compile, backend="cpu"))
+    with pytest.raises(OptionError, match="backend is cpu, which runs on cpu"):
+        check_device(aoti, "cuda")
+
+
+def test_a_kv_pool_too_large_for_the_host_is_named(artifact):
+    from deepinfer.common.errors import ArtifactError
+    from deepinfer.runtime.artifact import open_artifact
+    from deepinfer.runtime.model_runner import ModelRunner
+    m = open_artifact(artifact).manifest
+    huge = dataclasses.replace(m, compile=dataclasses.replace(m.compile, num_kv_blocks=1 << 40))
+    with pytest.raises(ArtifactError, match=r"the KV pool \(\d+ blocks a rank, [\d.]+ GiB\) does not fit on cpu .*"
+                                            r"recompile with a smaller --num-kv-blocks"):
+        ModelRunner(huge, {}, {})
+
+
 def test_region_timing_covers_every_region_per_step_kind(checkpoints, compile_artifact):
     """DEEPINFER_REGION_TIMING: each step kind's table has every graph region that ran and the host's two
     shares, with per-step totals that add up."""

@@ -179,6 +179,8 @@ def test_nulls_are_unset_fields_and_streamed_offsets_match(server):
                                                    "logprobs", "stop", "suffix", "user"))})
     assert plain.status_code == nulls.status_code == 200, nulls.text
     assert nulls.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    nested = post(server, {**body, "structured_outputs": {"json_object": None, "regex": None, "backend": None}})
+    assert nested.status_code == 200 and nested.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
     r = post(server, {"prompt": [5] * 100, "max_tokens": None, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 28   # the context limit is 128
     body = {"prompt": "Hi", "max_tokens": 8, "temperature": 0, "logprobs": 1, "ignore_eos": True, "stop": ["zzzz"]}
