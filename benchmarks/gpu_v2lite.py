@@ -370,6 +370,20 @@ def region_tables(engine, dev: torch.device, vocab: int, prompt: int) -> str:
             + "\n".join(tables))
 
 
+def skinny_table(measured: dict, chosen: dict) -> str:
+    """What the load-time choice measured for each decode-sized linear (runtime/cuda_kernels.py `linear_for`):
+    a call's device time per candidate (nan: a wrong result, inf: failed to build or run) and the chosen one's
+    weight-read rate."""
+    rows = ["decode-sized linears, device time a call in us (the chosen one *, its weight read in TB/s):"]
+    for key in sorted(measured, key=lambda k: (k[1], k[2], k[3])):
+        _, rows_, n, k, dtype = key[:5]
+        best = chosen[key]
+        rate = n * k * dtype.itemsize / (measured[key][best] * 1e-6) / 1e12
+        rows.append(f"  {rows_:>2} rows  {n:>6} x {k:<5}  " + "  ".join(
+            f"{name}{'*' if name == best else ''} {t:.1f}" for name, t in measured[key].items()) + f"  ({rate:.2f} TB/s)")
+    return "```\n" + "\n".join(rows) + "\n```"
+
+
 def roofline(m, dev, batches) -> tuple[float, dict]:
     """Bytes a decode step must read (active weights, with the distinct experts a batch touches) over the
     measured device copy bandwidth."""
@@ -496,6 +510,11 @@ def main() -> None:
                  f"{sum(counters['recompiles'].values())} recompiles; {time.monotonic() - t0:.0f} s in all")
     print(notes[-1], flush=True)
     write(lines)
+    from deepinfer.runtime import cuda_kernels
+    if cuda_kernels.MEASURED:
+        notes.append(skinny_table(cuda_kernels.MEASURED, cuda_kernels.CHOSEN))
+        print(notes[-1], flush=True)
+        write(lines)
     from deepinfer.runtime import ops
     if ops._NATIVE_FAILED:
         notes.append(f"note: torch._grouped_mm did not run for {sorted(f'{d} {t}' for d, t in ops._NATIVE_FAILED)}: "

@@ -26,7 +26,8 @@ from ..common.model_config import ModelConfig
 from . import backends
 from .checkpoint import Checkpoint
 from .graphs import GraphPlan, export_graph, plan_graphs, sha256_bytes, traced_world
-from .options import CompileOptions, default_cache_dir, make_layout, resolve
+from ..common.toolchain import default_cache_dir
+from .options import CompileOptions, make_layout, resolve
 from .weights import DTYPES, check_checkpoint, shard_bytes, shard_specs, write_shard
 
 Log = Callable[[str], None]

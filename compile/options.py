@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,13 +42,6 @@ class CompileOptions:
     cache_dir: Path | None = None
     keep_going: bool = False
     jobs: int | None = None              # parallel graph compiles (default: CPU count)
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("DEEPINFER_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deepinfer"
 
 
 def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) -> CompileConfig:

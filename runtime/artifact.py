@@ -126,7 +126,30 @@ def load_graph(art: Artifact, g: GraphEntry, device: torch.device, rank: int = 0
 
 def compile_exported(ep: torch.export.ExportedProgram, device: torch.device) -> GraphFn:
     """An exported graph compiled at load for `device` (the cuda backend)."""
-    return torch.compile(exported_on(ep, device).module(), fullgraph=True, dynamic=False)
+    ep = exported_on(ep, device)
+    if device.type == "cuda" and os.environ.get("DEEPINFER_SKINNY_LINEAR", "auto") != "0":
+        skinny_linears(ep)
+    return torch.compile(ep.module(), fullgraph=True, dynamic=False)
+
+
+def skinny_linears(ep: torch.export.ExportedProgram) -> int:
+    """Rewrite (in place) the bf16/fp16 linears of at most SKINNY_MAX_ROWS rows (decode steps' projections and head)
+    to deepinfer::rows_linear, whose CUDA path runs each shape on cuBLAS or the Triton skinny GEMM, whichever
+    measured faster on the device (runtime/cuda_kernels.py). The IR and its hashes stay the compile's: this is
+    a load-time choice of kernel. Returns how many were rewritten."""
+    from .cuda_kernels import SKINNY_MAX_ROWS
+    n = 0
+    for node in ep.graph_module.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default or len(node.args) != 2:
+            continue
+        x, w = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args)
+        if (x is not None and w is not None and x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype
+                and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= SKINNY_MAX_ROWS):
+            node.target = torch.ops.deepinfer.rows_linear.default
+            n += 1
+    if n:
+        ep.graph_module.recompile()
+    return n
 
 
 def exported_on(ep: torch.export.ExportedProgram, device: torch.device) -> torch.export.ExportedProgram:

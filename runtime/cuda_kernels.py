@@ -99,3 +99,240 @@ def grouped_rows_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
                     y.stride(0), y.stride(1), N=N, K=K, G=G, G_PAD=triton.next_power_of_2(G),
                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return y
+
+
+# -- skinny linears ---------------------------------------------------------------------------------------------
+# A decode step's dense projections (q, kv_a, o, the shared experts, the dense MLP, the head) are GEMMs of 1-64 rows
+# against weights of 1-400 MB. cuBLAS ran those of the batch-1 V2-Lite step at ~1.8 TB/s on the H200 (1.2 ms of a
+# 3.1 ms step's kernels), where a read of the same bytes runs at 4+: narrow outputs (kv_a's 576 columns, o's 2048)
+# give it few tiles to spread over 132 SMs. `skinny_linear` splits K too: (column tile, K slice) programs, each
+# streaming its slice of the weight once against all rows, and the last program of a column tile to finish (a
+# counter a tile) sums the slices' fp32 partials in slice order (deterministic) and resets the counter, all in one
+# kernel: no memset or reduction kernels around it (each would cost a graph node, ~1-2 us, per projection).
+# Which of cuBLAS and the splits runs a shape is measured on the device the first time the shape is seen
+# (`linear_for`), so a shape only takes the kernel where it is faster there.
+SKINNY_MAX_ROWS = 64
+SKINNY_BLOCK_N, SKINNY_BLOCK_K = 64, 128
+MODE_ENV = "DEEPINFER_SKINNY_LINEAR"      # auto (measure, default) | 0 (cuBLAS) | <n>: the kernel with n K slices
+
+
+def skinny_available(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= SKINNY_MAX_ROWS
+            and x.shape[1] == w.shape[1] and _triton() is not None)
+
+
+@functools.cache
+def _skinny_kernel():
+    triton, tl = _triton()
+
+    @triton.jit
+    def skinny_linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+                             sxm, sxk, swn, swk, sym, syn, K_SLICE: tl.constexpr, SLICES: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Program (j, s): columns j * BLOCK_N ..., K from s * K_SLICE (a multiple of BLOCK_K) for K_SLICE. The
+        # slicing is constexpr: a `for` over a runtime bound is what Triton's interpreter cannot run (and the
+        # pipeliner wants a `for`).
+        j = tl.program_id(0)
+        s = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K_SLICE, BLOCK_K):
+            kk = s * K_SLICE + k0 + rk
+            a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)
+            b = tl.load(w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N),
+                        other=0.0)
+            acc += tl.dot(a, b)
+        ymask = (rm[:, None] < M) & (rn[None, :] < N)
+        y_at = y_ptr + rm[:, None] * sym + rn[None, :] * syn
+        if SLICES == 1:
+            tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+        else:
+            part_at = part_ptr + rm[:, None] * N + rn[None, :]
+            tl.store(part_at + s * M * N, acc, mask=ymask)
+            tl.debug_barrier()                      # every thread's partial is written before the count says so
+            done = tl.atomic_add(count_ptr + j, 1, sem="acq_rel")
+            if done == SLICES - 1:                  # the last slice of this column tile: sum all, in slice order
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for t in range(0, SLICES):
+                    total += tl.load(part_at + t * M * N, mask=ymask, other=0.0, cache_modifier=".cg")
+                tl.store(y_at, total.to(y_ptr.dtype.element_ty), mask=ymask)
+                tl.atomic_xchg(count_ptr + j, 0)    # ready for the next call (and the next CUDA-graph replay)
+
+    return skinny_linear_kernel
+
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, part_elements: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partials and zeroed tile counters, one pair per size, kept for the process's life: a captured CUDA
+    graph holds their addresses (so they are made before any capture, by the first call of a shape)."""
+    key = (device, part_elements, tiles)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_linear: first call of a shape inside a CUDA-graph capture (run it once first)")
+        ws = (torch.empty(part_elements, dtype=torch.float32, device=device),
+              torch.zeros(tiles, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, slices: int = 1) -> torch.Tensor:
+    """F.linear(x, w) for x [M, K] (M <= SKINNY_MAX_ROWS), w [N, K], x's dtype, with K cut into up to `slices`
+    slices (a multiple of BLOCK_K each); fp32 sums, rounded once."""
+    triton, _ = _triton()
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    k_slice = triton.cdiv(triton.cdiv(K, max(1, slices)), SKINNY_BLOCK_K) * SKINNY_BLOCK_K
+    slices = triton.cdiv(K, k_slice)
+    tiles = triton.cdiv(N, SKINNY_BLOCK_N)
+    part, counts = _workspace(x.device, slices * M * N, tiles) if slices > 1 else (y, y)
+    _skinny_kernel()[(tiles, slices)](
+        x, w, y, part, counts, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+        K_SLICE=k_slice, SLICES=slices, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=SKINNY_BLOCK_N,
+        BLOCK_K=SKINNY_BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return y
+
+
+def slice_counts(n: int, k: int, sms: int) -> list[int]:
+    """The K splits worth measuring for an [n, k] weight on `sms` SMs: none, and the power of two that first gives
+    two programs an SM while a slice keeps at least two BLOCK_K steps (each is a kernel build at load)."""
+    tiles = -(-n // SKINNY_BLOCK_N)
+    most = max(1, k // (2 * SKINNY_BLOCK_K))
+    s = 1
+    while s < most and tiles * s < 2 * sms:
+        s *= 2
+    return sorted({1, min(s, most)})
+
+
+# (device, M, N, K, dtype, strides) -> the chosen implementation's name, and what each candidate measured (us)
+CHOSEN: dict[tuple, str] = {}
+MEASURED: dict[tuple, dict[str, float]] = {}
+# A choice decides the last bits of a result, so it is kept: measured once per GPU model, toolchain and shape, and
+# read back by every later load (the same artifact gives the same outputs from run to run on a machine), in
+# $DEEPINFER_CACHE/cuda_linear_choices.json. A kernel must win by this much to be chosen over cuBLAS.
+CHOICES_FILE = "cuda_linear_choices.json"
+MARGIN = 0.05
+
+
+def candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, object]:
+    out = {"cublas": lambda a, b: torch.nn.functional.linear(a, b)}
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    for s in slice_counts(w.shape[0], w.shape[1], sms):
+        out[f"triton/{s}"] = functools.partial(skinny_linear, slices=s)
+    return out
+
+
+def choose(cands: dict[str, object], x: torch.Tensor, w: torch.Tensor, time_us) -> tuple[str, dict[str, float]]:
+    """The fastest candidate (by `time_us(fn)`) of those whose result is F.linear's within bf16 rounding, if it beats
+    cuBLAS by MARGIN; cuBLAS otherwise, and when a candidate fails to build or run."""
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    tol = 1e-2 * ref.abs().amax().item() + 1e-3
+    times: dict[str, float] = {}
+    for name, fn in cands.items():
+        try:
+            got = fn(x, w)
+            if got.shape != ref.shape or not (got.float() - ref).abs().amax().item() <= tol:
+                times[name] = float("nan")        # wrong: never chosen (and the table says so)
+                continue
+            times[name] = time_us(lambda: fn(x, w))
+        except Exception as e:  # Triton's build errors have no common base
+            if isinstance(e, torch.AcceleratorError):
+                raise
+            times[name] = float("inf")
+    ok = {n: t for n, t in times.items() if t == t and t != float("inf")}
+    best = min(ok, key=ok.get) if ok else "cublas"
+    if "cublas" in ok and ok[best] > ok["cublas"] * (1 - MARGIN):
+        best = "cublas"
+    return best, times
+
+
+def _choice_key(key: tuple) -> str:
+    triton, _ = _triton()
+    device, rows, n, k, dtype, xs, ws = key
+    return (f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|triton {triton.__version__}|"
+            f"{rows}x{n}x{k}|{dtype}|x{list(xs)}|w{list(ws)}")
+
+
+def _choices_path():
+    from ..common.toolchain import default_cache_dir
+    return default_cache_dir() / CHOICES_FILE
+
+
+def _saved_choices() -> dict[str, str]:
+    import json
+    try:
+        data = json.loads(_choices_path().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_choice(key: str, name: str) -> None:
+    """Merged into the file (several processes may write it), replaced atomically; a cache that cannot be written
+    only costs the next load a measurement."""
+    import json
+    import os
+    import tempfile
+    path = _choices_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {**_saved_choices(), key: name}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def graph_time_us(fn, reps: int = 20) -> float:
+    """One call's device time, from `reps` calls replayed as one CUDA graph (launch costs out, as in the engine's
+    replayed steps; timed eagerly, Triton's Python launches would lose every comparison)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def linear_for(x: torch.Tensor, w: torch.Tensor):
+    """The implementation of F.linear(x, w) for this shape on this device: the one measured on this GPU model before
+    (CHOICES_FILE), else measured at this first call (outside a CUDA-graph capture; inside one, cuBLAS without
+    recording a choice), or as DEEPINFER_SKINNY_LINEAR says."""
+    import os
+    mode = os.environ.get(MODE_ENV, "auto")
+    cands = candidates(x, w)
+    if mode == "0":
+        return cands["cublas"]
+    if mode != "auto":
+        return functools.partial(skinny_linear, slices=int(mode))
+    key = (x.device, x.shape[0], w.shape[0], w.shape[1], x.dtype, x.stride(), w.stride())
+    name = CHOSEN.get(key)
+    if name is None:
+        saved = _saved_choices().get(_choice_key(key))
+        if saved in cands:
+            name = saved
+        elif torch.cuda.is_current_stream_capturing():
+            return cands["cublas"]
+        else:
+            name, MEASURED[key] = choose(cands, x, w, graph_time_us)
+            _save_choice(_choice_key(key), name)
+        CHOSEN[key] = name
+    return cands[name]

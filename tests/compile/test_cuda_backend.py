@@ -43,6 +43,39 @@ def test_graphs_move_to_the_device_before_compiling():
     assert exported_on(ep, torch.device("cpu")) is ep
 
 
+def test_decode_linears_are_rewritten_to_the_measured_kernel_choice():
+    """On CUDA, bf16 linears of at most SKINNY_MAX_ROWS rows go through deepinfer::rows_linear (cuBLAS or the Triton
+    skinny GEMM, measured per shape on the device); the rewritten program computes the same (on the CPU here, where
+    the op is torch's own linear), and wider row counts (prefill chunks) and fp32 linears (the router) stay."""
+    from deepinfer.runtime.artifact import skinny_linears
+    from deepinfer.runtime.cuda_kernels import SKINNY_MAX_ROWS
+    m = ModelConfig.from_hf_dict(dict(TINY, model_type="deepseek_v3"))
+    cc = resolve(CompileOptions(model=Path("tiny"), out=Path("unused"), backend="cuda", dtype="bfloat16",
+                                decode_buckets=(2,), prefill_buckets=(80,), context_limit=128, context_buckets=()), m)
+    plans = [p for p in plan_graphs(m, cc) if p.spec.region == "moe_layer"]
+    for plan in plans:
+        ep, _ = export_graph(plan)
+        args = example_inputs(plan, device="cpu")
+        want = ep.module()(*args)
+
+        def linears(program):
+            return [(n.args[0].meta["val"].shape[0], n.args[0].meta["val"].dtype) for n in program.graph.nodes
+                    if n.op == "call_function" and n.target is torch.ops.aten.linear.default]
+        before = linears(ep)
+        skinny = [(r, dt) for r, dt in before if r <= SKINNY_MAX_ROWS and dt == torch.bfloat16]
+        assert skinny_linears(ep) == len(skinny)
+        assert linears(ep) == [(r, dt) for r, dt in before if (r, dt) not in skinny]
+        if plan.spec.kind == "decode":
+            assert skinny and any(dt == torch.float32 for _, dt in linears(ep))     # the router stays fp32
+        else:
+            assert not skinny
+        got = ep.module()(*args)
+        for a, b in zip(want if isinstance(want, (list, tuple)) else [want],
+                        got if isinstance(got, (list, tuple)) else [got], strict=True):
+            if a.is_floating_point():
+                torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.slow
 def test_cuda_artifact_compiled_at_load_matches_transformers(checkpoints, compile_artifact):
     art = compile_artifact(checkpoints["base"], backend="cuda", decode_buckets=(2,), prefill_buckets=(16,),
