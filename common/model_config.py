@@ -58,7 +58,7 @@ class ModelConfig:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    num_nextn_predict_layers: int = 0
+    num_nextn_predict_layers: int = 1          # transformers' default too
     checkpoint_dtype: str = "bfloat16"
     fp8_block_size: tuple[int, ...] | None = None
 
@@ -178,6 +178,8 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
 
     def _typed(name: str, v: Any, kind: type) -> Any:
         if kind is float and isinstance(v, int) and not isinstance(v, bool):
+            if abs(v) > 1e300:         # float() of a 400-digit integer overflows
+                raise ConfigError(f"{source}: field '{name}'={v} must be a finite number")
             return float(v)
         if kind is int and isinstance(v, bool) or not isinstance(v, kind):
             raise ConfigError(f"{source}: field '{name}'={v!r} must be {kind.__name__}")
@@ -267,7 +269,8 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
         rope_interleave=opt("rope_interleave", True, bool),
         tie_word_embeddings=opt("tie_word_embeddings", False, bool),
         max_position_embeddings=opt("max_position_embeddings", 4096),
-        bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
+        bos_token_id=(cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int)
+                      and not isinstance(cfg.get("bos_token_id"), bool) else None),
         eos_token_ids=eos_ids,
         num_nextn_predict_layers=opt("num_nextn_predict_layers", 1),
         checkpoint_dtype=str(ckpt_dtype),
@@ -284,7 +287,8 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ConfigError(f"{source}: per-layer-type rope_parameters are not supported by DeepSeek-V3")
     def number(name: str, v: Any, positive: bool) -> Any:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, int) and abs(v) > 1e300)
+                or not math.isfinite(v) or (positive and v <= 0)):
             raise ConfigError(f"{source}: field '{name}'={v!r} must be a {'positive' if positive else 'finite'} "
                               f"number")
         return v

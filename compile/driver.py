@@ -48,25 +48,27 @@ def load_model(o: CompileOptions) -> tuple[ModelConfig, Checkpoint | None]:
         return ModelConfig.from_file(path), None
     ck = Checkpoint(o.model)
     check_checkpoint(ck.config, ck)
-    _check_tokenizer(ck)
+    ck.notes += _check_tokenizer(ck)
     return ck.config, ck
 
 
-def _check_tokenizer(ck: Checkpoint) -> None:
-    """Load the tokenizer as the runtime will: one it cannot read, or with ids past the model's vocabulary,
-    fails the compile instead of every start (or every prompt) of the artifact."""
+def _check_tokenizer(ck: Checkpoint) -> list[str]:
+    """Load the tokenizer as the runtime will: one it cannot read fails the compile instead of every start of the
+    artifact. Returns notes: tokens past the model's vocabulary (fine-tunes that added tokens without growing
+    the embedding) are only refused in the prompts that hold them, as the runtime does."""
     from ..runtime.tokenizer import Tokenizer
     path, cfg = ck.path / "tokenizer.json", ck.path / "tokenizer_config.json"
     if not path.is_file():
-        return
+        return []
     try:
         tok = Tokenizer(path, cfg if cfg.is_file() else None, ck.config.bos_token_id)
     except DeepinferError as e:
         raise CheckpointError(str(e)) from None
-    top = tok.max_token_id()
-    if top >= ck.config.vocab_size:
-        raise CheckpointError(f"{path}: token id {top} is outside the model's vocabulary [0, {ck.config.vocab_size}) "
-                              f"(config.json vocab_size): the embedding has no row for it")
+    past = tok.ids_from(ck.config.vocab_size)
+    if not past:
+        return []
+    return [f"{path.name} has {len(past)} token id(s) past the model's vocabulary [0, "
+            f"{ck.config.vocab_size}) ({past[0]}..{past[-1]}); a prompt holding one is refused"]
 
 
 def _stored_dtype(o: CompileOptions, ck: Checkpoint | None) -> str | None:
@@ -123,7 +125,7 @@ def compile_artifact(o: CompileOptions, log: Log = print) -> CompileReport:
         tok = _copy_tokenizer(ck, tmp)
         cache = backends.CompileCache(o.cache_dir or default_cache_dir())
         graphs, failed = _build_graphs(plans, cc, tc, tmp, cache, o.keep_going, o.jobs or os.cpu_count() or 1, log)
-        manifest = Manifest(schema_version=SCHEMA_VERSION, name=o.model.resolve().name, model=m, compile=cc, layout=layout,
+        manifest = Manifest(schema_version=SCHEMA_VERSION, name=Path(os.path.abspath(o.model)).name, model=m, compile=cc, layout=layout,
                             graphs=tuple(graphs), weights=tuple(shards), tokenizer=tuple(tok), toolchain=tc,
                             memory=tuple(memory))
         manifest = _with_root_hash(manifest)

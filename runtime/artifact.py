@@ -127,8 +127,10 @@ def load_graph(art: Artifact, g: GraphEntry, device: torch.device, rank: int = 0
 def compile_exported(ep: torch.export.ExportedProgram, device: torch.device) -> GraphFn:
     """An exported graph compiled at load for `device` (the cuda backend)."""
     ep = exported_on(ep, device)
-    if device.type == "cuda" and os.environ.get("DEEPINFER_SKINNY_LINEAR", "auto") != "0":
-        skinny_linears(ep)
+    if device.type == "cuda":
+        from .cuda_kernels import skinny_mode
+        if skinny_mode() != "0":          # checks the variable once, at load
+            skinny_linears(ep)
     return torch.compile(ep.module(), fullgraph=True, dynamic=False)
 
 
@@ -140,7 +142,8 @@ def skinny_linears(ep: torch.export.ExportedProgram) -> int:
     from .cuda_kernels import SKINNY_MAX_ROWS
     n = 0
     for node in ep.graph_module.graph.nodes:
-        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default or len(node.args) != 2:
+        if (node.op != "call_function" or node.target is not torch.ops.aten.linear.default or len(node.args) != 2
+                or node.kwargs):
             continue
         x, w = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args)
         if (x is not None and w is not None and x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype

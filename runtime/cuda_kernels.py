@@ -224,7 +224,7 @@ MARGIN = 0.05
 
 
 def candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, object]:
-    out = {"cublas": lambda a, b: torch.nn.functional.linear(a, b)}
+    out = {"cublas": _cublas}
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
     for s in slice_counts(w.shape[0], w.shape[1], sms):
         out[f"triton/{s}"] = functools.partial(skinny_linear, slices=s)
@@ -232,9 +232,10 @@ def candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, object]:
 
 
 def choose(cands: dict[str, object], x: torch.Tensor, w: torch.Tensor, time_us) -> tuple[str, dict[str, float]]:
-    """The fastest candidate (by `time_us(fn)`) of those whose result is F.linear's within bf16 rounding, if it beats
-    cuBLAS by MARGIN; cuBLAS otherwise, and when a candidate fails to build or run."""
-    ref = torch.nn.functional.linear(x.float(), w.float())
+    """The fastest candidate (by `time_us(call, w)`, `call(w)` one call on weight w) of those whose result is
+    F.linear's within bf16 rounding, if it beats cuBLAS by MARGIN; cuBLAS otherwise, and when a candidate fails to
+    build or run."""
+    ref = reference_linear(x, w)
     tol = 1e-2 * ref.abs().amax().item() + 1e-3
     times: dict[str, float] = {}
     for name, fn in cands.items():
@@ -243,7 +244,7 @@ def choose(cands: dict[str, object], x: torch.Tensor, w: torch.Tensor, time_us) 
             if got.shape != ref.shape or not (got.float() - ref).abs().amax().item() <= tol:
                 times[name] = float("nan")        # wrong: never chosen (and the table says so)
                 continue
-            times[name] = time_us(lambda: fn(x, w))
+            times[name] = time_us(lambda wi, fn=fn: fn(x, wi), w)
         except Exception as e:  # Triton's build errors have no common base
             if isinstance(e, torch.AcceleratorError):
                 raise
@@ -253,6 +254,12 @@ def choose(cands: dict[str, object], x: torch.Tensor, w: torch.Tensor, time_us) 
     if "cublas" in ok and ok[best] > ok["cublas"] * (1 - MARGIN):
         best = "cublas"
     return best, times
+
+
+def reference_linear(x: torch.Tensor, w: torch.Tensor, columns: int = 4096) -> torch.Tensor:
+    """F.linear in fp32, the weight widened a slice of columns at a time (a whole fp32 copy of a head is GBs)."""
+    return torch.cat([torch.nn.functional.linear(x.float(), w[i:i + columns].float())
+                      for i in range(0, w.shape[0], columns)], dim=1)
 
 
 def _choice_key(key: tuple) -> str:
@@ -294,45 +301,82 @@ def _save_choice(key: str, name: str) -> None:
         pass
 
 
-def graph_time_us(fn, reps: int = 20) -> float:
+def graph_time_us(call, w: torch.Tensor, reps: int = 24, rounds: int = 3) -> float:
     """One call's device time, from `reps` calls replayed as one CUDA graph (launch costs out, as in the engine's
-    replayed steps; timed eagerly, Triton's Python launches would lose every comparison)."""
-    fn()
+    replayed steps; timed eagerly, Triton's Python launches would lose every comparison), the best of `rounds`
+    replays. The calls cycle through copies of the weight that together pass twice the L2 cache, so each reads
+    its weight from memory as a decode step does (one weight called again and again would sit in L2)."""
+    l2 = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 64 << 20)
+    nbytes = w.numel() * w.element_size()
+    copies = [w] + [w.clone() for _ in range(min(reps, -(-2 * l2 // nbytes)) - 1)]
+    for wi in copies[:2]:
+        call(wi)                                  # builds, and makes any workspace, outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+    # thread_local: a server thread's CUDA call does not break this capture (as in runtime/cuda_graphs.py)
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        for i in range(reps):
+            call(copies[i % len(copies)])
     g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    best = float("inf")
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    del g, copies
+    return best
 
 
 def linear_for(x: torch.Tensor, w: torch.Tensor):
     """The implementation of F.linear(x, w) for this shape on this device: the one measured on this GPU model before
     (CHOICES_FILE), else measured at this first call (outside a CUDA-graph capture; inside one, cuBLAS without
     recording a choice), or as DEEPINFER_SKINNY_LINEAR says."""
-    import os
-    mode = os.environ.get(MODE_ENV, "auto")
-    cands = candidates(x, w)
+    mode = skinny_mode()
     if mode == "0":
-        return cands["cublas"]
+        return _cublas
     if mode != "auto":
         return functools.partial(skinny_linear, slices=int(mode))
     key = (x.device, x.shape[0], w.shape[0], w.shape[1], x.dtype, x.stride(), w.stride())
     name = CHOSEN.get(key)
     if name is None:
-        saved = _saved_choices().get(_choice_key(key))
-        if saved in cands:
-            name = saved
-        elif torch.cuda.is_current_stream_capturing():
-            return cands["cublas"]
+        if _ranks() > 1:
+            # Ranks that measured apart could choose apart, and the last bits of a replicated projection must be
+            # the same on every rank (expert-parallel ranks route the same tokens): cuBLAS everywhere.
+            name = "cublas"
         else:
-            name, MEASURED[key] = choose(cands, x, w, graph_time_us)
-            _save_choice(_choice_key(key), name)
+            cands = candidates(x, w)
+            saved = _saved_choices().get(_choice_key(key))
+            if saved in cands:
+                name = saved
+            elif torch.cuda.is_current_stream_capturing():
+                return _cublas
+            else:
+                name, MEASURED[key] = choose(cands, x, w, graph_time_us)
+                _save_choice(_choice_key(key), name)
         CHOSEN[key] = name
-    return cands[name]
+    if name == "cublas":
+        return _cublas
+    return functools.partial(skinny_linear, slices=int(name.split("/")[1]))
+
+
+def _cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w)
+
+
+def _ranks() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def skinny_mode() -> str:
+    """DEEPINFER_SKINNY_LINEAR: auto (default), 0, or a positive number of K slices; anything else is refused."""
+    import os
+    mode = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+    if mode != "auto" and not (mode.isdigit() and (mode == "0" or int(mode) >= 1)):
+        from ..common.errors import OptionError
+        raise OptionError(f"{MODE_ENV}={os.environ.get(MODE_ENV)!r} must be auto, 0 (cuBLAS only) or a number of "
+                          f"K slices for the Triton kernel")
+    return mode

@@ -15,7 +15,7 @@ import torch
 
 from ..common.errors import RequestError
 from ..common.manifest import Manifest
-from .artifact import Artifact, check_device, load_graph, load_weights, open_artifact
+from .artifact import Artifact, check_device, load_graph, load_weights, open_artifact, verify_files
 from .model_runner import ModelRunner, RegionTimer, build_inputs, logit_rows
 from .sampler import sample
 from .speculative import verify as verify_draft
@@ -77,8 +77,10 @@ class Engine:
         """world == 1: this process. Otherwise this process is rank 0 and spawns the followers on this host,
         or, with `torchrun=(rank, world)` (set by torchrun), rank 0 leads ranks started elsewhere and
         every other rank serves as a follower until the leader stops (then this returns None)."""
-        art = open_artifact(path, verify=verify)
-        check_device(art.manifest, device)
+        art = open_artifact(path, verify=False)
+        check_device(art.manifest, device)         # before hashing every file (hundreds of GB for a 671B artifact)
+        if verify:
+            verify_files(art)
         tok = load_tokenizer(art.root, [t.path for t in art.manifest.tokenizer], art.manifest.model.bos_token_id)
         world = art.manifest.layout.world
         if world == 1:

@@ -123,6 +123,12 @@ class RegionTimer:
         return "\n".join(rows)
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation that did not fit: torch's OutOfMemoryError, Python's MemoryError, or the CPU allocator's
+    RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
+
+
 class ModelRunner:
     """One rank's graphs, weights and KV pool. `graphs` maps graph names to callables."""
 
@@ -138,7 +144,9 @@ class ModelRunner:
         shape = (cc.kv_blocks_per_rank + 1, cc.block_size, m.kv_cache_dim)
         try:
             self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(m.num_hidden_layers)]
-        except (RuntimeError, MemoryError) as e:      # torch.OutOfMemoryError is a RuntimeError
+        except (RuntimeError, MemoryError) as e:
+            if not _out_of_memory(e):     # a device fault (AcceleratorError is a RuntimeError too) goes up as it is
+                raise
             gib = math.prod(shape) * dtype.itemsize * m.num_hidden_layers / 2**30
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ArtifactError(f"the KV pool ({cc.kv_blocks_per_rank} blocks a rank, {gib:.1f} GiB) does not fit "

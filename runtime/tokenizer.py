@@ -36,8 +36,9 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def max_token_id(self) -> int:
-        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    def ids_from(self, first: int) -> list[int]:
+        """The tokenizer's ids at or past `first`, sorted."""
+        return sorted(i for i in self._tok.get_vocab(with_added_tokens=True).values() if i >= first)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:

@@ -90,13 +90,30 @@ def test_choice_is_the_fastest_correct_candidate():
     cands = {"cublas": lambda a, b: torch.nn.functional.linear(a, b), "wrong": lambda a, b: torch.zeros(3, 8),
              "fast": lambda a, b: torch.nn.functional.linear(a, b), "broken": lambda a, b: 1 / 0}
     timed = iter([5.0, 2.0])          # only the correct ones are timed, in order: cublas, fast
-    name, times = ck.choose(cands, x, w, lambda fn: next(timed))
+    name, times = ck.choose(cands, x, w, lambda call, w: next(timed))
     assert name == "fast" and times["cublas"] == 5.0 and times["fast"] == 2.0
     assert times["wrong"] != times["wrong"] and times["broken"] == float("inf")      # nan: wrong, inf: failed
-    name, _ = ck.choose({"cublas": cands["cublas"], "wrong": cands["wrong"]}, x, w, lambda fn: 1.0)
+    name, _ = ck.choose({"cublas": cands["cublas"], "wrong": cands["wrong"]}, x, w, lambda call, w: 1.0)
     assert name == "cublas"
     close = iter([5.0, 4.9])          # within the margin: cuBLAS stays
-    assert ck.choose({"cublas": cands["cublas"], "fast": cands["fast"]}, x, w, lambda fn: next(close))[0] == "cublas"
+    assert ck.choose({"cublas": cands["cublas"], "fast": cands["fast"]}, x, w, lambda call, w: next(close))[0] == "cublas"
+
+
+def test_reference_is_linear_in_fp32_a_slice_at_a_time():
+    x, w = torch.randn(3, 40).bfloat16(), torch.randn(10, 40).bfloat16()
+    got = ck.reference_linear(x, w, columns=3)
+    assert got.dtype == torch.float32 and got.shape == (3, 10)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x.float(), w.float()), rtol=1e-6, atol=1e-6)
+
+
+def test_mode_variable_is_checked(monkeypatch):
+    from deepinfer.common.errors import OptionError
+    for ok in ("auto", "0", "8", ""):
+        monkeypatch.setenv(ck.MODE_ENV, ok)
+        assert ck.skinny_mode() == (ok or "auto")
+    monkeypatch.setenv(ck.MODE_ENV, "off")
+    with pytest.raises(OptionError, match="DEEPINFER_SKINNY_LINEAR='off' must be auto, 0"):
+        ck.skinny_mode()
 
 
 def test_choices_are_kept_across_loads(tmp_path, monkeypatch):
