@@ -272,7 +272,7 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=(cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int)
                       and not isinstance(cfg.get("bos_token_id"), bool) else None),
         eos_token_ids=eos_ids,
-        num_nextn_predict_layers=opt("num_nextn_predict_layers", 1),
+        num_nextn_predict_layers=opt("num_nextn_predict_layers", opt("num_mtp_layers", 1)),   # transformers' alias
         checkpoint_dtype=str(ckpt_dtype),
         fp8_block_size=fp8_block,
     )

@@ -46,8 +46,9 @@ def open_artifact(root: str | Path, verify: bool = True, check_toolchain: bool =
 _DEVICES = {"cpu": ("cpu",), "neuron": ("cpu",), "eager": ("cpu", "cuda"), "cuda": ("cpu", "cuda")}
 
 
-def check_device(manifest: Manifest, device: str) -> None:
-    """`--device` against this host and the artifact's backend, before anything loads or spawns."""
+def check_device(manifest: Manifest, device: str, ranks_here: int = 1) -> None:
+    """`--device` against this host and the artifact's backend, before anything loads or spawns. `ranks_here`:
+    the ranks this host runs (all of the layout's when the leader spawns its followers), one GPU each."""
     from ..common.errors import OptionError
     backend = manifest.compile.backend
     try:
@@ -64,8 +65,15 @@ def check_device(manifest: Manifest, device: str) -> None:
         if not torch.cuda.is_available():
             build = "" if torch.version.cuda else "; this torch is a CPU-only build"
             raise OptionError(f"--device {device}: no CUDA device is available here{build}")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise OptionError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA device(s)")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise OptionError(f"--device {device}: this host has {count} CUDA device(s)")
+        if ranks_here > 1 and dev.index is not None:
+            raise OptionError(f"--device {device} names one GPU, but this artifact's {ranks_here} ranks take one "
+                              f"each: pass --device cuda")
+        if ranks_here > count:
+            raise OptionError(f"--device {device}: this artifact has {ranks_here} ranks (cp x ep) and this host "
+                              f"{count} CUDA device(s); each rank needs its own (NCCL refuses two ranks on one)")
 
 
 def verify_files(art: Artifact) -> None:

@@ -78,7 +78,8 @@ class Engine:
         or, with `torchrun=(rank, world)` (set by torchrun), rank 0 leads ranks started elsewhere and
         every other rank serves as a follower until the leader stops (then this returns None)."""
         art = open_artifact(path, verify=False)
-        check_device(art.manifest, device)         # before hashing every file (hundreds of GB for a 671B artifact)
+        # before hashing every file (hundreds of GB for a 671B artifact); spawned followers share this host
+        check_device(art.manifest, device, art.manifest.layout.world if torchrun is None else 1)
         if verify:
             verify_files(art)
         tok = load_tokenizer(art.root, [t.path for t in art.manifest.tokenizer], art.manifest.model.bos_token_id)

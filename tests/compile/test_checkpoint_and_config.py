@@ -110,6 +110,12 @@ def test_unreadable_config_file_is_named(tmp_path):
         ModelConfig.from_file(tmp_path / "dir" / "config.json")
 
 
+def test_transformers_alias_of_the_mtp_layer_count_is_read():
+    cfg = {k: v for k, v in V3_671B.items() if k != "num_nextn_predict_layers"}
+    assert ModelConfig.from_hf_dict(dict(cfg, num_mtp_layers=2)).num_nextn_predict_layers == 2
+    assert ModelConfig.from_hf_dict(dict(cfg, num_mtp_layers=2, num_nextn_predict_layers=0)).num_nextn_predict_layers == 0
+
+
 def test_missing_field_is_named():
     cfg = dict(V3_671B)
     del cfg["kv_lora_rank"]

@@ -380,6 +380,22 @@ def test_a_device_the_host_or_artifact_cannot_run_is_refused_before_loading(arti
         check_device(aoti, "cuda")
 
 
+def test_ranks_on_one_host_need_a_gpu_each(artifact, monkeypatch):
+    from deepinfer.common.errors import OptionError
+    from deepinfer.runtime.artifact import check_device, open_artifact
+    m = open_artifact(artifact).manifest
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device(m, "cuda", ranks_here=2)
+    check_device(m, "cuda:1")
+    with pytest.raises(OptionError, match="4 ranks \\(cp x ep\\) and this host 2 CUDA device"):
+        check_device(m, "cuda", ranks_here=4)
+    with pytest.raises(OptionError, match="--device cuda:1 names one GPU, but this artifact's 2 ranks"):
+        check_device(m, "cuda:1", ranks_here=2)
+    with pytest.raises(OptionError, match="this host has 2 CUDA device"):
+        check_device(m, "cuda:2")
+
+
 def test_a_kv_pool_too_large_for_the_host_is_named(artifact):
     from deepinfer.common.errors import ArtifactError
     from deepinfer.runtime.artifact import open_artifact
