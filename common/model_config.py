@@ -156,6 +156,11 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _finite(v: int | float) -> bool:
+    """A number float() keeps finite: json reads NaN and Infinity, and a 400-digit integer overflows float()."""
+    return abs(v) <= 1e300 if isinstance(v, int) else math.isfinite(v)
+
+
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
@@ -177,14 +182,12 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
         return default if v is None and default is not None else _typed(name, v, kind) if v is not None else None
 
     def _typed(name: str, v: Any, kind: type) -> Any:
-        if kind is float and isinstance(v, int) and not isinstance(v, bool):
-            if abs(v) > 1e300:         # float() of a 400-digit integer overflows
-                raise ConfigError(f"{source}: field '{name}'={v} must be a finite number")
+        if kind is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+            if not _finite(v):
+                raise ConfigError(f"{source}: field '{name}'={v!r} must be a finite number")
             return float(v)
         if kind is int and isinstance(v, bool) or not isinstance(v, kind):
             raise ConfigError(f"{source}: field '{name}'={v!r} must be {kind.__name__}")
-        if kind is float and not math.isfinite(v):      # json reads NaN and Infinity
-            raise ConfigError(f"{source}: field '{name}'={v!r} must be a finite number")
         return v
 
     model_type = cfg.get("model_type")
@@ -287,8 +290,7 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ConfigError(f"{source}: per-layer-type rope_parameters are not supported by DeepSeek-V3")
     def number(name: str, v: Any, positive: bool) -> Any:
-        if (isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, int) and abs(v) > 1e300)
-                or not math.isfinite(v) or (positive and v <= 0)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or (positive and v <= 0):
             raise ConfigError(f"{source}: field '{name}'={v!r} must be a {'positive' if positive else 'finite'} "
                               f"number")
         return v

@@ -23,10 +23,10 @@ from ..common.errors import CheckpointError, DeepinferError, OptionError
 from ..common.manifest import (DECODE, MANIFEST_FILE, SCHEMA_VERSION, FileEntry, GraphEntry, Manifest, RankMemory,
                                WeightShard, sha256_file)
 from ..common.model_config import ModelConfig
+from ..common.toolchain import default_cache_dir
 from . import backends
 from .checkpoint import Checkpoint
 from .graphs import GraphPlan, export_graph, plan_graphs, sha256_bytes, traced_world
-from ..common.toolchain import default_cache_dir
 from .options import CompileOptions, make_layout, resolve
 from .weights import DTYPES, check_checkpoint, shard_bytes, shard_specs, write_shard
 
@@ -125,7 +125,8 @@ def compile_artifact(o: CompileOptions, log: Log = print) -> CompileReport:
         tok = _copy_tokenizer(ck, tmp)
         cache = backends.CompileCache(o.cache_dir or default_cache_dir())
         graphs, failed = _build_graphs(plans, cc, tc, tmp, cache, o.keep_going, o.jobs or os.cpu_count() or 1, log)
-        manifest = Manifest(schema_version=SCHEMA_VERSION, name=Path(os.path.abspath(o.model)).name, model=m, compile=cc, layout=layout,
+        name = Path(os.path.abspath(o.model)).name      # `--model .` too; symlinks keep their own name
+        manifest = Manifest(schema_version=SCHEMA_VERSION, name=name, model=m, compile=cc, layout=layout,
                             graphs=tuple(graphs), weights=tuple(shards), tokenizer=tuple(tok), toolchain=tc,
                             memory=tuple(memory))
         manifest = _with_root_hash(manifest)

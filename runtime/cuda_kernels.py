@@ -225,7 +225,7 @@ MARGIN = 0.05
 
 def candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, object]:
     out = {"cublas": _cublas}
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     for s in slice_counts(w.shape[0], w.shape[1], sms):
         out[f"triton/{s}"] = functools.partial(skinny_linear, slices=s)
     return out
