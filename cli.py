@@ -104,6 +104,10 @@ def _env_int(name: str) -> int | None:
               help="Compile cache (env DEEPINFER_CACHE, default ~/.cache/deepinfer).")
 @click.option("--jobs", type=int, default=None, help="Graphs compiled in parallel (default: CPU count).")
 @click.option("--keep-going", is_flag=True, help="Report every failing graph instead of stopping at the first.")
+@click.option("--region-marks", is_flag=True,
+              help="A profiling build: timing points between each layer's parts, so that DEEPINFER_REGION_TIMING "
+                   "splits the layers into attention, MoE or MLP, and collectives. Each point costs a copy of "
+                   "the hidden state and a host call; cpu, eager and cuda backends.")
 @click.option("--check-lock", type=click.Path(path_type=Path), default=None,
               help="Compare the artifact's graph and weight hashes with this lock file; exit 1 on any difference.")
 @click.option("--update-lock", type=click.Path(path_type=Path), default=None,
@@ -111,7 +115,8 @@ def _env_int(name: str) -> int | None:
 @_errors
 def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep, decode_buckets, prefill_buckets, context_buckets,
                  context_limit, block_size, num_kv_blocks, moe_capacity, capacity_factor, moe_decode_path,
-                 moe_path, shape_only, device_memory, neuron_target, cache_dir, jobs, keep_going, check_lock, update_lock):
+                 moe_path, shape_only, device_memory, neuron_target, cache_dir, jobs, keep_going, region_marks, check_lock,
+                 update_lock):
     """Trace and compile a DeepSeek-V3 checkpoint's graphs ahead of time into an artifact directory."""
     from .compile.driver import compile_artifact
     from .compile.options import DEMO_MODEL, CompileOptions
@@ -127,7 +132,7 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
         context_limit=context_limit, block_size=block_size, num_kv_blocks=num_kv_blocks, moe_capacity=moe_capacity,
         capacity_factor=capacity_factor, moe_decode_path=moe_decode_path, moe_path=moe_path, shape_only=shape_only,
         device_memory=None if device_memory is None else _gib(device_memory),
-        neuron_target=neuron_target, cache_dir=cache_dir, keep_going=keep_going, jobs=jobs)
+        neuron_target=neuron_target, cache_dir=cache_dir, keep_going=keep_going, jobs=jobs, region_marks=region_marks)
     from .compile.lock import read_lock
     for lock in (update_lock, check_lock):     # a bad lock file is said before the compile, not after it
         if lock is not None:
@@ -201,7 +206,8 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
     from .runtime.artifact import open_artifact
     from .runtime.engine import Engine
     from .runtime.sequence import SamplingParams
-    timing = os.environ.get("DEEPINFER_REGION_TIMING", "") not in ("", "0")
+    from .runtime.model_runner import timing_requested
+    timing = timing_requested()
     if any(not n.strip() for n in served_model_names):
         raise click.BadParameter("a model name must not be empty", param_hint="--served-model-name")
     if prompt_lookup_min > prompt_lookup_max:

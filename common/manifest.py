@@ -51,6 +51,9 @@ class CompileConfig:
     # --matmul-dtype bfloat16 (CPU, bf16 weights): multi-row products read bf16 operands and sum in fp32 (2-3x the
     # fp32 FLOP rate on CPUs with bf16 dot products); None: float32 products, absent from the JSON like weight_dtype.
     matmul_dtype: str | None = field(default=None, metadata={"omit_if_none": True})
+    # --region-marks: timing points between each layer graph's parts (attention, MoE or MLP, collectives) for
+    # DEEPINFER_REGION_TIMING; None: no marks, absent from the JSON like weight_dtype.
+    region_marks: bool | None = field(default=None, metadata={"omit_if_none": True})
 
     @property
     def weights_dtype(self) -> str:

@@ -447,7 +447,8 @@ def _describe(o: CompileOptions, m: ModelConfig, cc, n_graphs: int) -> str:
              f"({cc.kv_blocks_per_rank} per rank)",
              f"  model            {m.num_hidden_layers} layers ({m.num_hidden_layers - m.num_moe_layers} dense), hidden "
              f"{m.hidden_size}, {m.n_routed_experts} experts top-{m.num_experts_per_tok}, vocab {m.vocab_size}",
-             f"  graphs           {n_graphs}"]
+             f"  graphs           {n_graphs}"
+             + (" (profiling build: region marks in the layer graphs)" if cc.region_marks else "")]
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
         specs.setdefault(name, RegionSpec(m, region, kind, tokens, context, cc.block_size, cc.cp, cc.ep,
                                           cc.world, capacity, moe_path(m, cc, kind, tokens), logit_rows,
                                           small_gemm_rows(cc), cc.dtype, cc.matmul_dtype == "bfloat16",
-                                          ir_family(cc.backend) == "cuda"))
+                                          ir_family(cc.backend) == "cuda", bool(cc.region_marks)))
 
     layers = ([DENSE_LAYER] if m.num_moe_layers < m.num_hidden_layers else []) + ([MOE_LAYER] if m.num_moe_layers else [])
     for T in cc.decode_buckets:

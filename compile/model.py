@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ..common.manifest import DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER
 from ..common.model_config import ModelConfig
 from ..runtime import ops  # noqa: F401  (registers torch.ops.deepinfer.grouped_mm, rows_linear, paged_mla_decode)
+from ..runtime.ops import MARK_CONTINUE, MARK_PARTS
 
 Weights = dict[str, torch.Tensor]
 
@@ -44,6 +45,7 @@ class RegionSpec:
     dtype: str = "float32"     # activations (the weight matrices may be stored narrower: `as_compute`)
     bf16_products: bool = False  # CPU, --matmul-dtype bfloat16: multi-row products read bf16 operands (`linear`)
     fp32_result_bmm: bool = False  # cuda: decode scores from bf16 operands in one GEMM with fp32 results (`scores_bmm`)
+    region_marks: bool = False   # --region-marks: timing points between a layer's parts (`mark`)
 
     @property
     def cpu_forms(self) -> bool:
@@ -87,13 +89,21 @@ class WorldComm(Comm):
     same KV shard, so the first cp gathered partials are a complete set; for EP only the first EP group's
     partial sums count (rank.ep_weight is 1 there, 0 elsewhere)."""
 
-    def __init__(self, world: int, cp: int, ep: int):
-        self.world, self.cp, self.ep = world, cp, ep
+    def __init__(self, world: int, cp: int, ep: int, marks: bool = False):
+        self.world, self.cp, self.ep, self.marks = world, cp, ep, marks
+
+    def _timed(self, collective: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """--region-marks: a mark before the collective (its work so far belongs to the part the next mark
+        closes) and one after it (the collective, waiting for the other ranks included)."""
+        if not self.marks:
+            return collective(x)
+        y = collective(torch.ops.deepinfer.region_mark(x, MARK_CONTINUE))
+        return torch.ops.deepinfer.region_mark(y, MARK_PARTS.index("collectives"))
 
     def cp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
         from torch.distributed import _functional_collectives as funcol
-        g = funcol.all_gather_tensor(x.contiguous(), 0, dist.group.WORLD)
+        g = self._timed(lambda t: funcol.all_gather_tensor(t, 0, dist.group.WORLD), x.contiguous())
         return g.view(self.world, *x.shape)[: self.cp]
 
     def ep_all_reduce_sum(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
@@ -101,16 +111,22 @@ class WorldComm(Comm):
         from torch.distributed import _functional_collectives as funcol
         if self.ep < self.world:
             x = x * w["rank.ep_weight"]
-        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+        return self._timed(lambda t: funcol.all_reduce(t, "sum", dist.group.WORLD), x)
 
     def ep_all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
         from torch.distributed import _functional_collectives as funcol
-        return funcol.all_reduce(x, "max", dist.group.WORLD)
+        return self._timed(lambda t: funcol.all_reduce(t, "max", dist.group.WORLD), x)
 
 
 def comm_for(spec: "RegionSpec") -> Comm:
-    return WorldComm(spec.world, spec.cp, spec.ep) if spec.world > 1 else SINGLE_RANK
+    return WorldComm(spec.world, spec.cp, spec.ep, spec.region_marks) if spec.world > 1 else SINGLE_RANK
+
+
+def mark(spec: RegionSpec, x: torch.Tensor, part: str) -> torch.Tensor:
+    """--region-marks: x, after a timing point that closes the layer's `part` (runtime/ops.py `region_mark`);
+    without the option x itself, and the graph is as it always was."""
+    return torch.ops.deepinfer.region_mark(x, MARK_PARTS.index(part)) if spec.region_marks else x
 
 
 # -- basic ops ---------------------------------------------------------------------------------
@@ -486,13 +502,15 @@ def layer_region(spec: RegionSpec, hidden: torch.Tensor, positions: torch.Tensor
     m = spec.model
     h = hidden + mla_attention(spec, rms_norm(hidden, w["input_layernorm"], m.rms_norm_eps),
                                positions, slot_mapping, block_tables, kv_cache, w, comm, context_starts)
+    h = mark(spec, h, "attention")
     x = rms_norm(h, w["post_attention_layernorm"], m.rms_norm_eps)
     if spec.region == DENSE_LAYER:
-        return h + swiglu(spec, x, w["mlp.gate_up"], w["mlp.down"])
+        return mark(spec, h + swiglu(spec, x, w["mlp.gate_up"], w["mlp.down"]), "mlp")
     # Grouped and capacity paths skip padding rows; dense and gather compute them and the step drops them.
     real = slot_mapping >= 0 if spec.moe_path in ("grouped", "capacity") else None
     out, overflow = moe(spec, x, w, comm, spec.moe_path, real)
-    return (h + out, h, overflow) if spec.moe_path == "capacity" else h + out
+    out = mark(spec, h + out, "moe")
+    return (out, h, overflow) if spec.moe_path == "capacity" else out
 
 
 def moe_dense_region(spec: RegionSpec, h_mid: torch.Tensor, w: Weights, comm: Comm = SINGLE_RANK) -> torch.Tensor:

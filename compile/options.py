@@ -42,6 +42,7 @@ class CompileOptions:
     cache_dir: Path | None = None
     keep_going: bool = False
     jobs: int | None = None              # parallel graph compiles (default: CPU count)
+    region_marks: bool = False           # timing points between each layer's parts (DEEPINFER_REGION_TIMING)
 
 
 def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) -> CompileConfig:
@@ -77,6 +78,9 @@ def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) 
     if o.backend == "neuron" and o.neuron_target not in NEURON_TARGETS:
         raise OptionError(f"--neuron-target={o.neuron_target!r} must be one of {', '.join(NEURON_TARGETS)} "
                           f"with --backend neuron")
+    if o.region_marks and o.backend == "neuron":
+        raise OptionError("--region-marks: a Neuron graph runs on the device as one program, with no point where "
+                          "the host could take the time; leave it out with --backend neuron")
     if o.backend != "neuron" and o.neuron_target is not None:
         raise OptionError(f"--neuron-target={o.neuron_target} applies to --backend neuron only "
                           f"(this compile's backend is {o.backend})")
@@ -163,7 +167,7 @@ def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) 
                          prefill_buckets=prefill, context_buckets=ctx, context_limit=limit,
                          block_size=o.block_size, num_kv_blocks=nkv, moe_capacity=caps, capacity_factor=factor,
                          moe_decode_path=path, moe_path=moe_path, neuron_target=o.neuron_target,
-                         weight_dtype=weight_dtype, matmul_dtype=matmul_dtype)
+                         weight_dtype=weight_dtype, matmul_dtype=matmul_dtype, region_marks=o.region_marks or None)
 
 
 def _buckets(flag: str, values: tuple[int, ...], limit: int) -> tuple[int, ...]:

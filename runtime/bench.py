@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -34,11 +35,13 @@ def pct(xs: list[float], q: float) -> float:
 # -- offline -----------------------------------------------------------------------------------------
 def offline(artifact: str, prompt_lens: list[int], concurrency: list[int], max_tokens: int, seed: int,
             device: str = "cpu", prefix_len: int = 0, prefix_caching: bool = True,
-            sampling: dict | None = None) -> list[dict]:
-    """sampling: temperature, top_p, top_k and the penalties for every request (default greedy)."""
+            sampling: dict | None = None, timing: bool = False) -> list[dict]:
+    """sampling: temperature, top_p, top_k and the penalties for every request (default greedy). timing
+    (DEEPINFER_REGION_TIMING): each row's region timing table goes to stderr after the row."""
     from .engine import Engine
     from .sequence import SamplingParams
-    engine = Engine.from_artifact(artifact, device=device, prefix_caching=prefix_caching)
+    engine = Engine.from_artifact(artifact, device=device, prefix_caching=prefix_caching, timing=timing)
+    timer = engine.runner.timer
     rows = []
     try:
         vocab = engine.manifest.model.vocab_size
@@ -51,6 +54,8 @@ def offline(artifact: str, prompt_lens: list[int], concurrency: list[int], max_t
                 prompts = random_prompts(conc, plen, vocab, seed, 2, plen, conc, prefix_len=prefix_len)
                 hits = engine.scheduler.blocks.hits
                 params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {}))
+                if timer is not None:
+                    timer.reset()
                 t0 = time.monotonic()
                 seqs = [engine.add_request(p, params) for p in prompts]
                 done_at: dict[int, float] = {}
@@ -66,6 +71,9 @@ def offline(artifact: str, prompt_lens: list[int], concurrency: list[int], max_t
                              "tpot_ms_p99": 1e3 * pct(tpot, 99),
                              "output_tok_s": conc * max_tokens / wall, "wall_s": wall,
                              "cached_pct": 100.0 * (engine.scheduler.blocks.hits - hits) / (conc * plen)})
+                if timer is not None:
+                    print(f"region timing, prompt_len {plen}, concurrency {conc}:\n{timer.table()}",
+                          file=sys.stderr, flush=True)
     finally:
         engine.close()
     return rows
@@ -205,11 +213,13 @@ def main(argv: list[str] | None = None) -> None:
     sampling |= {k: v for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
                  if (v := getattr(a, k)) is not None}
     if a.mode == "offline":
+        from .model_runner import timing_requested
         if sampling.get("top_k") == -1:
             sampling["top_k"] = 0              # the server's (and vLLM's) "no top-k" is the engine's 0
         rows = offline(a.artifacts, [int(x) for x in a.prompt_lens.split(",")],
                        [int(x) for x in a.concurrency.split(",")], a.max_tokens, a.seed, a.device, a.prefix_len,
-                       not a.no_prefix_caching, sampling)
+                       not a.no_prefix_caching, sampling,
+                       timing=timing_requested())
         print(json.dumps(rows) if a.json else table(rows, ["prompt_len", "concurrency", "ttft_ms_median",
                                                             "ttft_ms_p99", "tpot_ms_median", "tpot_ms_p99",
                                                             "output_tok_s", "cached_pct"]))

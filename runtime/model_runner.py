@@ -7,6 +7,7 @@ same record drives the leader and, through shared memory, its followers.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -18,6 +19,7 @@ from ..common.errors import ArtifactError
 from ..common.manifest import (DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER, PREFILL, CompileConfig,
                                Manifest, graph_name)
 from .block_manager import blocks_for
+from .ops import MARK_CONTINUE, MARK_PARTS, set_mark_sink
 from .scheduler import ScheduledStep
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -91,17 +93,32 @@ def build_inputs(step: ScheduledStep, cc: CompileConfig) -> StepInputs:
     return StepInputs(step.kind, T, C, token_ids, positions, slots, tables, logit_idx, n_logits, starts)
 
 
+def timing_requested() -> bool:
+    """DEEPINFER_REGION_TIMING set (to anything but 0)."""
+    return os.environ.get("DEEPINFER_REGION_TIMING", "") not in ("", "0")
+
+
 class RegionTimer:
     """Per-region wall time per step kind (DEEPINFER_REGION_TIMING=1); synchronises CUDA when timing.
-    Regions: the graphs (embed, dense_layer and moe_layer, each holding its attention, MoE and traced
-    collectives, head, moe_dense reruns) and the host's share, `schedule` (scheduling, the step's inputs, the
-    followers' record) and `sample` (sampling, detokenizing, stop checks)."""
+    Regions: the graphs (embed, dense_layer and moe_layer, head, moe_dense reruns) and the host's share,
+    `schedule` (scheduling, the step's inputs, the followers' record) and `sample` (sampling, detokenizing, stop
+    checks). A layer graph holds its attention, MoE or MLP and traced collectives; in an artifact compiled with
+    --region-marks, its marks (runtime/ops.py `region_mark`) split its time into those parts, listed under it."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.totals: dict[tuple[str, str], float] = {}
         self.counts: dict[tuple[str, str], int] = {}
         self.steps: dict[str, int] = {}
+        self.parts: dict[tuple[str, str, str], float] = {}     # (kind, region, part) -> seconds
+        self._marks: list[tuple[int, float]] = []
+
+    def reset(self) -> None:
+        """Forget what was timed so far (a benchmark's warm-up, its earlier rows)."""
+        self.totals.clear()
+        self.counts.clear()
+        self.steps.clear()
+        self.parts.clear()
 
     def add(self, kind: str, region: str, seconds: float) -> None:
         k = (kind, region)
@@ -112,6 +129,35 @@ class RegionTimer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def time_graph(self, kind: str, region: str, fn: Callable, *args):
+        """fn(*args), its time added to the region and split among the parts its marks close."""
+        self._marks = []
+        set_mark_sink(self._mark)
+        try:
+            self.sync()
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.sync()
+            t1 = time.perf_counter()
+        finally:
+            set_mark_sink(None)
+        self.add(kind, region, t1 - t0)
+        prev, pending, part = t0, 0.0, None
+        for code, t in self._marks:
+            pending += t - prev
+            prev = t
+            if code != MARK_CONTINUE:        # a continued segment belongs to the part the next mark closes
+                part = MARK_PARTS[code]
+                self.parts[(kind, region, part)] = self.parts.get((kind, region, part), 0.0) + pending
+                pending = 0.0
+        if part is not None:                 # after the last mark: the graph returning, counted with that part
+            self.parts[(kind, region, part)] += pending + t1 - prev
+        return out
+
+    def _mark(self, code: int) -> None:
+        self.sync()
+        self._marks.append((code, time.perf_counter()))
+
     def table(self) -> str:
         rows = ["step kind  region        calls   total ms   ms/step"]
         for kind in sorted({k for k, _ in self.totals}):
@@ -120,6 +166,12 @@ class RegionTimer:
             for region, tot in regions + [("(step)", sum(t for _, t in regions))]:
                 calls = self.counts.get((kind, region), self.steps.get(kind, 0))
                 rows.append(f"{kind:<10} {region:<12} {calls:>6} {tot * 1e3:>10.1f} {tot * 1e3 / steps:>9.3f}")
+                for (k, r, part), ptot in sorted(self.parts.items()):
+                    if (k, r) == (kind, region):
+                        rows.append(f"{'':<10}   {part:<10} {calls:>6} {ptot * 1e3:>10.1f} {ptot * 1e3 / steps:>9.3f}")
+        if not self.parts and any(r in (DENSE_LAYER, MOE_LAYER) for _, r in self.totals):
+            rows.append("layer graphs timed whole: an artifact compiled with --region-marks splits them into attention, "
+                        "moe or mlp, and collectives")
         return "\n".join(rows)
 
 
@@ -177,12 +229,7 @@ class ModelRunner:
         fn = self.graphs[name]
         if self.timer is None:
             return fn(*args)
-        self.timer.sync()
-        t = time.perf_counter()
-        out = fn(*args)
-        self.timer.sync()
-        self.timer.add(kind, region, time.perf_counter() - t)
-        return out
+        return self.timer.time_graph(kind, region, fn, *args)
 
     @torch.inference_mode()
     def run(self, si: StepInputs) -> torch.Tensor:

@@ -150,6 +150,36 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+# Parts of a layer graph that `deepinfer::region_mark` closes (compile --region-marks): the index is the op's `part`
+# argument; MARK_CONTINUE closes a segment that belongs to the part the next mark closes (the work before a
+# collective inside attention or the MoE).
+MARK_PARTS = ("attention", "mlp", "moe", "collectives")
+MARK_CONTINUE = -1
+_mark_sink = None        # set by the runtime's region timer (`set_mark_sink`) while it times a graph
+
+
+def set_mark_sink(sink) -> None:
+    """sink(part) is called at every region mark a graph passes (None: marks only pass their tensor on)."""
+    global _mark_sink
+    _mark_sink = sink
+
+
+@torch.library.custom_op("deepinfer::region_mark", mutates_args=())
+def region_mark(x: torch.Tensor, part: int) -> torch.Tensor:
+    """A timing point inside a layer graph of an artifact compiled with --region-marks: the graph's work since
+    the previous mark (or its start) was `MARK_PARTS[part]`. Returns a copy of x that everything after the mark
+    reads, which orders the mark between the two parts in any compiled form. With DEEPINFER_REGION_TIMING the
+    runtime's timer receives the point (after synchronising the device); otherwise the mark is the copy alone."""
+    if _mark_sink is not None:
+        _mark_sink(part)
+    return x.clone()
+
+
+@region_mark.register_fake
+def _(x: torch.Tensor, part: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 @torch.library.custom_op("deepinfer::paged_mla_decode", mutates_args=())
 def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, valid: torch.Tensor,
                      kv_lora_rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

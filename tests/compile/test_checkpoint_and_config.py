@@ -273,6 +273,7 @@ def test_tokenizer_is_loaded_at_compile(checkpoints, tmp_path):
     (dict(matmul_dtype="bfloat16", backend="cuda"), "--matmul-dtype=bfloat16 with --dtype=float32 --weight-dtype=auto --backend=cuda"),
     (dict(matmul_dtype="bfloat16", weight_dtype="float32"), "only as bfloat16 products under float32 math, with bfloat16 weights"),
     (dict(matmul_dtype="float32", dtype="bfloat16", backend="cuda"), "--matmul-dtype=float32 with --dtype=bfloat16"),
+    (dict(region_marks=True, backend="neuron", neuron_target="trn2"), "--region-marks: a Neuron graph runs on the device"),
 ])
 def test_bad_options_are_refused(checkpoints, kw, message):
     m = ModelConfig.from_file(checkpoints["base"] / "config.json")
@@ -336,6 +337,26 @@ def test_matmul_dtype_resolution(checkpoints):
     from deepinfer.common.manifest import Toolchain  # noqa: F401  (the key reads only name, model, compile)
     key = lambda c: lock_key(SimpleNamespace(name="x", model=m, compile=c))
     assert "/matmul=bfloat16" in key(bf16) and "matmul" not in key(plain)
+
+
+def test_region_marks_in_manifest_lock_key_and_specs(checkpoints):
+    """--region-marks is recorded in the manifest (absent when off: manifests and hashes as before it existed),
+    in the lock key, and in every graph's spec (layer graphs trace the marks from it)."""
+    from types import SimpleNamespace
+    from deepinfer.common import serde
+    from deepinfer.compile.graphs import plan_graphs
+    from deepinfer.compile.lock import lock_key
+    m = ModelConfig.from_file(checkpoints["base"] / "config.json")
+    plain = resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128), m)
+    marked = resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128,
+                                    region_marks=True), m)
+    assert plain.region_marks is None and "region_marks" not in serde.dumps(plain)
+    assert marked.region_marks is True and '"region_marks": true' in serde.dumps(marked)
+    assert serde.loads(type(marked), serde.dumps(marked), "compile") == marked
+    assert {p.spec.region_marks for p in plan_graphs(m, marked)} == {True}
+    assert {p.spec.region_marks for p in plan_graphs(m, plain)} == {False}
+    key = lambda c: lock_key(SimpleNamespace(name="x", model=m, compile=c))
+    assert "/region-marks" in key(marked) and "region-marks" not in key(plain)
 
 
 def test_stored_matrix_dtype(checkpoints, bf16_checkpoint):

@@ -75,6 +75,26 @@ def test_aoti_multi_rank_artifact_matches_single_rank(checkpoints, cache_dir, tm
     assert got == want
 
 
+def test_aoti_region_marks_time_the_parts_and_keep_the_tokens(checkpoints, cache_dir, tmp_path):
+    """--region-marks with AOTInductor: the packages call the marks back (a Python op) between a layer's parts,
+    the timer splits the layers, and the tokens are transformers' greedy ones."""
+    from deepinfer.runtime.artifact import open_artifact
+    from deepinfer.runtime.engine import make_runner
+    ck = checkpoints["base"]
+    opts = dict(model=ck, backend="cpu", decode_buckets=(2,), prefill_buckets=(16,), context_limit=64,
+                cache_dir=cache_dir / "aoti", jobs=2, region_marks=True)
+    compile_artifact(CompileOptions(out=tmp_path / "a", **opts), log=lambda s: None)
+    art = open_artifact(tmp_path / "a")
+    engine = Engine(art.manifest, make_runner(art, rank=0, timing=True), None)
+    prompt = list(range(5, 45))
+    got = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].output_ids
+    assert got == hf_greedy(hf_model(ck), prompt, 8)
+    parts = engine.runner.timer.parts
+    for kind in ("prefill", "decode"):
+        assert {p for (k, r, p) in parts if (k, r) == (kind, "moe_layer")} == {"attention", "moe"}
+        assert {p for (k, r, p) in parts if (k, r) == (kind, "dense_layer")} == {"attention", "mlp"}
+
+
 def test_aoti_bf16_weights_match_transformers(bf16_checkpoint, cache_dir, tmp_path):
     """A bf16 checkpoint (--weight-dtype auto): its weight matrices stay bf16 in the shard (half the bytes) and
     the compiled graphs widen them as they stream (Inductor's fused one-row reductions and gathered experts, the

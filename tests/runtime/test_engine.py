@@ -428,6 +428,41 @@ def test_region_timing_covers_every_region_per_step_kind(checkpoints, compile_ar
         assert step[kind] == pytest.approx(parts, abs=0.3)
 
 
+def test_region_marks_split_each_layer_into_its_parts(checkpoints, compile_artifact):
+    """compile --region-marks: the timing table splits each layer graph's time into attention and MoE or MLP
+    (the parts sum to the graph's time), the tokens are the unmarked artifact's, and an artifact without the
+    option carries no trace of it in its manifest (its hashes are those of before the option)."""
+    import json
+    from deepinfer.runtime.artifact import open_artifact
+    from deepinfer.runtime.engine import make_runner
+    prompts = [list(range(3, 40)), [5, 6, 7]]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    plain = compile_artifact(checkpoints["base"])
+    want = [s.output_ids for s in Engine.from_artifact(plain).generate(prompts, params)]
+    assert "region_marks" not in json.loads((plain / "manifest.json").read_text())["compile"]
+    art = open_artifact(compile_artifact(checkpoints["base"], region_marks=True))
+    assert art.manifest.compile.region_marks is True
+    engine = Engine(art.manifest, make_runner(art, rank=0, timing=True), None)
+    assert [s.output_ids for s in engine.generate(prompts, params)] == want
+    timer = engine.runner.timer
+    for kind in ("prefill", "decode"):
+        for region, parts in (("dense_layer", {"attention", "mlp"}), ("moe_layer", {"attention", "moe"})):
+            got = {p: t for (k, r, p), t in timer.parts.items() if (k, r) == (kind, region)}
+            assert set(got) == parts and all(t > 0 for t in got.values()), (kind, region, got)
+            assert sum(got.values()) == pytest.approx(timer.totals[(kind, region)], rel=1e-9)
+    lines = timer.table().splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["decode", "moe_layer"])
+    assert [ln.split()[0] for ln in lines[i + 1: i + 3]] == ["attention", "moe"]
+    # the unmarked artifact's timer has no parts
+    plain_art = open_artifact(plain)
+    engine = Engine(plain_art.manifest, make_runner(plain_art, rank=0, timing=True), None)
+    engine.generate(prompts, params)
+    assert engine.runner.timer.parts == {}
+    assert engine.runner.timer.table().splitlines()[-1].startswith("layer graphs timed whole: an artifact compiled "
+                                                                   "with --region-marks splits them")
+    assert "--region-marks" not in timer.table()
+
+
 @pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's allocator only")
 @pytest.mark.parametrize("keep", ["1", "0"])
 def test_cpu_runner_keeps_freed_activation_memory(keep):

@@ -129,6 +129,23 @@ def test_collectives_per_moe_layer(checkpoints, compile_artifact):
     assert _count_collectives(art, "head.decode.t4") == {}
 
 
+def test_region_marks_time_the_collectives_on_a_parallel_layout(checkpoints, compile_artifact, reference):
+    """--region-marks on cp=2 ep=2: the leader's table has each layer's collectives (the CP gather in every
+    layer, the EP all-reduce in MoE layers) apart from its attention and MoE, and the tokens stay the
+    single-rank run's."""
+    engine = Engine.from_artifact(compile_artifact(checkpoints["base"], cp=2, ep=2, region_marks=True), timing=True)
+    try:
+        got = [s.output_ids for s in engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))]
+    finally:
+        engine.close()
+    assert got == [t[:8] for t in reference[1]]
+    parts = engine.runner.timer.parts
+    for kind in ("prefill", "decode"):
+        assert {p for (k, r, p) in parts if (k, r) == (kind, "moe_layer")} == {"attention", "moe", "collectives"}
+        assert {p for (k, r, p) in parts if (k, r) == (kind, "dense_layer")} == {"attention", "mlp", "collectives"}
+        assert all(t > 0 for (k, r, p), t in parts.items() if k == kind)
+
+
 def test_per_rank_shards_hold_only_their_experts(checkpoints, compile_artifact):
     from safetensors import safe_open
     art = compile_artifact(checkpoints["base"], cp=2, ep=2)

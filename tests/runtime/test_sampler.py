@@ -167,3 +167,19 @@ def test_the_offline_benchmark_takes_sampling_flags(checkpoints, compile_artifac
     capsys.readouterr()
     assert len(seen) == 3 and all((p.temperature, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) ==
                                   (0.0, 0.5, 0.25, 1.2) for p in seen[1:])
+
+
+def test_the_offline_benchmark_prints_region_timing_per_row(checkpoints, compile_artifact, capsys, monkeypatch):
+    """DEEPINFER_REGION_TIMING=1 deepinfer-bench offline: after each row, that row's region timing table (the
+    warm-up and earlier rows left out), split into the layers' parts on a --region-marks build."""
+    from deepinfer.runtime import bench
+    monkeypatch.setenv("DEEPINFER_REGION_TIMING", "1")
+    art = compile_artifact(checkpoints["base"], region_marks=True)
+    bench.main(["offline", str(art), "--prompt-lens", "6", "--concurrency", "3,2", "--max-tokens", "5", "--json"])
+    err = capsys.readouterr().err
+    tables = err.split("region timing, prompt_len 6, concurrency ")[1:]
+    assert [t.split(":")[0] for t in tables] == ["3", "2"]
+    for t in tables:
+        rows = {tuple(ln.split()[:2]): ln.split() for ln in t.splitlines() if ln.startswith(("decode", "prefill"))}
+        assert rows[("decode", "(step)")][2] == "4" and rows[("prefill", "(step)")][2] == "1"   # 5 tokens a request
+        assert [ln.split()[0] for ln in t.splitlines() if ln.startswith(" ")].count("attention") == 4
