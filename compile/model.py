@@ -93,8 +93,9 @@ class WorldComm(Comm):
         self.world, self.cp, self.ep, self.marks = world, cp, ep, marks
 
     def _timed(self, collective: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """--region-marks: a mark before the collective (its work so far belongs to the part the next mark
-        closes) and one after it (the collective, waiting for the other ranks included)."""
+        """--region-marks: a mark before the collective (the work so far belongs to the attention or MoE the
+        collective sits in: the next mark of those closes it) and one after it (the collective, waiting for the
+        other ranks included)."""
         if not self.marks:
             return collective(x)
         y = collective(torch.ops.deepinfer.region_mark(x, MARK_CONTINUE))
@@ -510,14 +511,17 @@ def layer_region(spec: RegionSpec, hidden: torch.Tensor, positions: torch.Tensor
     real = slot_mapping >= 0 if spec.moe_path in ("grouped", "capacity") else None
     out, overflow = moe(spec, x, w, comm, spec.moe_path, real)
     out = mark(spec, h + out, "moe")
-    return (out, h, overflow) if spec.moe_path == "capacity" else out
+    if spec.moe_path != "capacity":
+        return out
+    # The overflow flag's own mark: nothing else orders its all-reduce (EP) before the MoE's mark.
+    return out, h, mark(spec, overflow, "moe")
 
 
 def moe_dense_region(spec: RegionSpec, h_mid: torch.Tensor, w: Weights, comm: Comm = SINGLE_RANK) -> torch.Tensor:
     """The MoE half of a layer on the dense path: the rerun after a capacity overflow."""
     x = rms_norm(h_mid, w["post_attention_layernorm"], spec.model.rms_norm_eps)
     out, _ = moe(spec, x, w, comm, "dense")
-    return h_mid + out
+    return mark(spec, h_mid + out, "moe")
 
 
 def head_region(spec: RegionSpec, hidden: torch.Tensor, logit_indices: torch.Tensor, w: Weights) -> torch.Tensor:

@@ -112,6 +112,7 @@ class RegionTimer:
         self.steps: dict[str, int] = {}
         self.parts: dict[tuple[str, str, str], float] = {}     # (kind, region, part) -> seconds
         self._marks: list[tuple[int, float]] = []
+        torch.ops.deepinfer.region_mark(torch.zeros(1), 0)   # the op's first call sets it up (~1 s): not in a step
 
     def reset(self) -> None:
         """Forget what was timed so far (a benchmark's warm-up, its earlier rows)."""
@@ -142,16 +143,23 @@ class RegionTimer:
         finally:
             set_mark_sink(None)
         self.add(kind, region, t1 - t0)
-        prev, pending, part = t0, 0.0, None
+        split: dict[str, float] = {}
+        prev, carry, last = t0, 0.0, None
         for code, t in self._marks:
-            pending += t - prev
-            prev = t
-            if code != MARK_CONTINUE:        # a continued segment belongs to the part the next mark closes
-                part = MARK_PARTS[code]
-                self.parts[(kind, region, part)] = self.parts.get((kind, region, part), 0.0) + pending
-                pending = 0.0
-        if part is not None:                 # after the last mark: the graph returning, counted with that part
-            self.parts[(kind, region, part)] += pending + t1 - prev
+            segment, prev = t - prev, t
+            if code == MARK_CONTINUE:        # work before a collective: the enclosing part's, added when it closes
+                carry += segment
+            elif MARK_PARTS[code] == "collectives":
+                split["collectives"] = split.get("collectives", 0.0) + segment
+            else:
+                last = MARK_PARTS[code]
+                split[last] = split.get(last, 0.0) + carry + segment
+                carry = 0.0
+        if split:                            # after the last mark: the graph returning, with the last part
+            last = last or next(iter(split))
+            split[last] += carry + t1 - prev
+        for part, seconds in split.items():
+            self.parts[(kind, region, part)] = self.parts.get((kind, region, part), 0.0) + seconds
         return out
 
     def _mark(self, code: int) -> None:

@@ -151,8 +151,8 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 # Parts of a layer graph that `deepinfer::region_mark` closes (compile --region-marks): the index is the op's `part`
-# argument; MARK_CONTINUE closes a segment that belongs to the part the next mark closes (the work before a
-# collective inside attention or the MoE).
+# argument; MARK_CONTINUE closes a segment that belongs to the part that encloses it, the next attention, mlp or
+# moe mark's (the work before a collective inside the attention or the MoE).
 MARK_PARTS = ("attention", "mlp", "moe", "collectives")
 MARK_CONTINUE = -1
 _mark_sink = None        # set by the runtime's region timer (`set_mark_sink`) while it times a graph

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -426,6 +427,35 @@ def test_region_timing_covers_every_region_per_step_kind(checkpoints, compile_ar
     for kind in ("prefill", "decode"):
         parts = sum(float(ln.split()[-2]) for ln in lines[1:] if ln.split()[0] == kind and "(step)" not in ln)
         assert step[kind] == pytest.approx(parts, abs=0.3)
+
+
+def test_region_timer_splits_a_graph_at_its_marks():
+    """RegionTimer.time_graph on a stand-in graph with known parts: the work before a collective goes to the part
+    that encloses it (attention, moe), the collective's own time to `collectives`, the return to the last part."""
+    from deepinfer.runtime.model_runner import RegionTimer
+    from deepinfer.runtime.ops import MARK_CONTINUE, MARK_PARTS
+    mark = lambda part: torch.ops.deepinfer.region_mark(torch.zeros(4), MARK_CONTINUE if part is None
+                                                        else MARK_PARTS.index(part))
+    def graph(steps):
+        for seconds, part in steps:
+            time.sleep(seconds)
+            mark(part)
+        time.sleep(0.01)                     # returning
+        return "out"
+    layer = [(0.05, None), (0.02, "collectives"), (0.03, "attention"),                     # CP gather inside
+             (0.06, None), (0.04, "collectives"), (0.005, "moe"), (0.015, None), (0.025, "collectives"),
+             (0.005, "moe")]                                                               # EP all-reduce, overflow
+    rerun = [(0.06, None), (0.02, "collectives"), (0.005, "moe")]                            # moe_dense
+    timer = RegionTimer(torch.device("cpu"))
+    assert timer.time_graph("prefill", "moe_layer", graph, layer) == "out"
+    timer.time_graph("prefill", "moe_dense", graph, rerun)
+    want = {"moe_layer": {"attention": 0.08, "collectives": 0.085, "moe": 0.095},
+            "moe_dense": {"collectives": 0.02, "moe": 0.075}}
+    for region, parts in want.items():
+        got = {p: t for (k, r, p), t in timer.parts.items() if r == region}
+        assert set(got) == set(parts)
+        assert all(abs(got[p] - parts[p]) < 0.012 for p in parts), (region, got)
+        assert sum(got.values()) == pytest.approx(timer.totals[("prefill", region)], rel=1e-9)
 
 
 def test_region_marks_split_each_layer_into_its_parts(checkpoints, compile_artifact):

@@ -146,6 +146,26 @@ def test_region_marks_time_the_collectives_on_a_parallel_layout(checkpoints, com
         assert all(t > 0 for (k, r, p), t in parts.items() if k == kind)
 
 
+def test_region_marks_on_the_static_path_time_the_dense_rerun(checkpoints, compile_artifact, reference):
+    """--region-marks on the static MoE path with a capacity that overflows (as the test above): the logits stay
+    the single-rank run's, and the dense rerun's time splits into its MoE and its EP all-reduce."""
+    ck = checkpoints["base"]
+    counts = _routing_counts(ck, list(range(3, 3 + 32)), layer=1)
+    half = counts.numel() // 2
+    cap = min(int(counts[:half].max()), int(counts[half:].max()))
+    engine = Engine.from_artifact(compile_artifact(ck, cp=2, ep=2, moe_capacity=cap, region_marks=True), timing=True)
+    try:
+        got = logits_of_steps(engine, list(range(3, 3 + 45)), STEPS)
+        assert engine.runner.overflow_reruns >= 1
+        for g, want in zip(got, reference[0]):
+            assert rel_err(g, want) <= 1e-5
+    finally:
+        engine.close()
+    parts = engine.runner.timer.parts
+    assert {p for (k, r, p) in parts if (k, r) == ("prefill", "moe_dense")} == {"moe", "collectives"}
+    assert {p for (k, r, p) in parts if (k, r) == ("prefill", "moe_layer")} == {"attention", "moe", "collectives"}
+
+
 def test_per_rank_shards_hold_only_their_experts(checkpoints, compile_artifact):
     from safetensors import safe_open
     art = compile_artifact(checkpoints["base"], cp=2, ep=2)
