@@ -67,7 +67,7 @@ class StateDictCheckpoint:
 
 
 def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: tuple[int, ...],
-          context: tuple[int, ...], limit: int):
+          context: tuple[int, ...], limit: int, region_marks: bool = False):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     from deepinfer.common.manifest import SCHEMA_VERSION, GraphEntry, Manifest, Toolchain
     from deepinfer.common.model_config import ModelConfig
@@ -96,7 +96,7 @@ def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: t
                           # limit's bucket only, every decode step would read 2112 keys' latents a layer; a prefill
                           # bucket and a context bucket for each TTFT prompt, so each is one chunk over its own keys
                           decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, context_limit=limit,
-                          num_kv_blocks=(limit // 16) * max(decode))
+                          num_kv_blocks=(limit // 16) * max(decode), region_marks=region_marks)
     cc = resolve(opts, m)
     layout = make_layout(m, cc)
     ck = StateDictCheckpoint(dict(hf.state_dict()))
@@ -407,6 +407,9 @@ def main() -> None:
                     help="after the table, write torch.profiler's per-kernel tables (decode batch 1 and 32, a prompt) "
                          "to DIR")
     ap.add_argument("--out", default=None, help="write the table (markdown) here, rewritten after every row")
+    ap.add_argument("--region-marks", action="store_true",
+                    help="a profiling build (compile --region-marks): the region timing splits each layer into "
+                         "attention, MoE or MLP; the table's rows then carry the marks' copies (a small kernel each)")
     args = ap.parse_args()
     faulthandler.enable()            # a crash in native code still prints where it was
     import_deepinfer()
@@ -428,7 +431,8 @@ def main() -> None:
         cfg["num_hidden_layers"] = args.layers
     try:
         hf, engine, m = build(cfg, dev, decode=tuple(batches), prefill=ttft_lens,
-                              context=tuple(sorted({128, *ttft_lens[:-1]})), limit=max(ttft_lens) + 64)
+                              context=tuple(sorted({128, *ttft_lens[:-1]})), limit=max(ttft_lens) + 64,
+                              region_marks=args.region_marks)
         bw, roof = roofline(m, dev, batches)
     except BaseException as e:
         write([f"build failed after {time.monotonic() - t0:.0f} s: {type(e).__name__}: {e}"])
