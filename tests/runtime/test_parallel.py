@@ -89,13 +89,21 @@ def test_overflow_on_one_rank_reruns_on_every_rank(checkpoints, compile_artifact
     """Capacity chosen so that in layer 1 only one EP rank's experts overflow: the max-all-reduced flag makes
     both ranks rerun densely (a rank-local decision would deadlock), and the logits still match."""
     ck = checkpoints["base"]
-    prompt = list(range(3, 3 + 32))
-    counts = _routing_counts(ck, prompt, layer=1)
+    _reruns_match_single_rank(Engine.from_artifact(compile_artifact(ck, cp=2, ep=2, moe_capacity=_one_rank_cap(ck))),
+                              reference)
+
+
+def _one_rank_cap(ck) -> int:
+    """A capacity at which, in layer 1, only one EP rank's (of 2) experts overflow on the steps' first chunk."""
+    counts = _routing_counts(ck, list(range(3, 3 + 32)), layer=1)
     half = counts.numel() // 2
     busiest = [int(counts[:half].max()), int(counts[half:].max())]
     cap = min(busiest)                       # the rank with the busier expert overflows, the other fits
     assert max(busiest) > cap, "this prompt does not overflow one rank alone"
-    engine = Engine.from_artifact(compile_artifact(ck, cp=2, ep=2, moe_capacity=cap))
+    return cap
+
+
+def _reruns_match_single_rank(engine: Engine, reference) -> None:
     try:
         got = logits_of_steps(engine, list(range(3, 3 + 45)), STEPS)
         assert engine.runner.overflow_reruns >= 1
@@ -150,17 +158,9 @@ def test_region_marks_on_the_static_path_time_the_dense_rerun(checkpoints, compi
     """--region-marks on the static MoE path with a capacity that overflows (as the test above): the logits stay
     the single-rank run's, and the dense rerun's time splits into its MoE and its EP all-reduce."""
     ck = checkpoints["base"]
-    counts = _routing_counts(ck, list(range(3, 3 + 32)), layer=1)
-    half = counts.numel() // 2
-    cap = min(int(counts[:half].max()), int(counts[half:].max()))
-    engine = Engine.from_artifact(compile_artifact(ck, cp=2, ep=2, moe_capacity=cap, region_marks=True), timing=True)
-    try:
-        got = logits_of_steps(engine, list(range(3, 3 + 45)), STEPS)
-        assert engine.runner.overflow_reruns >= 1
-        for g, want in zip(got, reference[0]):
-            assert rel_err(g, want) <= 1e-5
-    finally:
-        engine.close()
+    engine = Engine.from_artifact(compile_artifact(ck, cp=2, ep=2, moe_capacity=_one_rank_cap(ck), region_marks=True),
+                                  timing=True)
+    _reruns_match_single_rank(engine, reference)
     parts = engine.runner.timer.parts
     assert {p for (k, r, p) in parts if (k, r) == ("prefill", "moe_dense")} == {"moe", "collectives"}
     assert {p for (k, r, p) in parts if (k, r) == ("prefill", "moe_layer")} == {"attention", "moe", "collectives"}
