@@ -72,8 +72,9 @@ def check_device(manifest: Manifest, device: str, ranks_here: int = 1) -> None:
             raise OptionError(f"--device {device} names one GPU, but this artifact's {ranks_here} ranks take one "
                               f"each: pass --device cuda")
         if ranks_here > count:
-            raise OptionError(f"--device {device}: this artifact has {ranks_here} ranks (cp x ep) and this host "
-                              f"{count} CUDA device(s); each rank needs its own (NCCL refuses two ranks on one)")
+            raise OptionError(f"--device {device}: {ranks_here} of this artifact's ranks (cp x ep) run on this host, "
+                              f"which has {count} CUDA device(s); each rank needs its own (NCCL refuses two ranks on "
+                              f"one)")
 
 
 def verify_files(art: Artifact) -> None:

@@ -78,8 +78,9 @@ class Engine:
         or, with `torchrun=(rank, world)` (set by torchrun), rank 0 leads ranks started elsewhere and
         every other rank serves as a follower until the leader stops (then this returns None)."""
         art = open_artifact(path, verify=False)
-        # before hashing every file (hundreds of GB for a 671B artifact); spawned followers share this host
-        check_device(art.manifest, device, art.manifest.layout.world if torchrun is None else 1)
+        # before hashing every file (hundreds of GB for a 671B artifact); spawned followers share this host,
+        # torchrun's ranks are spread over hosts as its LOCAL_WORLD_SIZE says
+        check_device(art.manifest, device, art.manifest.layout.world if torchrun is None else _torchrun_local()[1])
         if verify:
             verify_files(art)
         tok = load_tokenizer(art.root, [t.path for t in art.manifest.tokenizer], art.manifest.model.bos_token_id)
@@ -109,7 +110,9 @@ class Engine:
         if world != art.manifest.layout.world:
             raise OptionError(f"torchrun started {world} ranks, the artifact's layout needs "
                               f"{art.manifest.layout.world}")
-        device = claim_device(rank, 1, device) if device.startswith("cuda") else device
+        # this host's GPU of this rank: torchrun's LOCAL_RANK (the global rank modulo the GPU count only where
+        # every host runs as many ranks as it has GPUs)
+        device = claim_device(_torchrun_local()[0], 1, device) if device.startswith("cuda") else device
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
         channel = BroadcastChannel(art.manifest)
         if rank != 0:
@@ -415,6 +418,11 @@ def _collect_prompt_logprobs(e, logits: torch.Tensor) -> None:
 def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
     hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
     return min(hits) if hits else None
+
+
+def _torchrun_local() -> tuple[int, int]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) as torchrun sets them: this rank's index on its host and the ranks there."""
+    return int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def make_runner(art: Artifact, rank: int, device: str = "cpu", timing: bool = False) -> ModelRunner:

@@ -389,8 +389,13 @@ def test_ranks_on_one_host_need_a_gpu_each(artifact, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     check_device(m, "cuda", ranks_here=2)
     check_device(m, "cuda:1")
-    with pytest.raises(OptionError, match="4 ranks \\(cp x ep\\) and this host 2 CUDA device"):
+    with pytest.raises(OptionError, match="4 of this artifact's ranks \\(cp x ep\\) run on this host, which has 2 "
+                                          "CUDA device"):
         check_device(m, "cuda", ranks_here=4)
+    # under torchrun, this host's share of the ranks is its LOCAL_WORLD_SIZE (checked before any loading)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(OptionError, match="3 of this artifact's ranks"):
+        Engine.from_artifact(artifact, device="cuda", torchrun=(1, 4))
     with pytest.raises(OptionError, match="--device cuda:1 names one GPU, but this artifact's 2 ranks"):
         check_device(m, "cuda:1", ranks_here=2)
     with pytest.raises(OptionError, match="this host has 2 CUDA device"):
