@@ -305,20 +305,28 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         # probabilities rounded once; fp32 sums rounded to bf16, as transformers' bf16 attention): `mid` benchmark
         # model, 256-token chunk, 2 threads on a Zen 5 VM: these products 1.5 -> 0.5 ms a layer (14 ms of the
         # chunk's 78 before); the chunk 1.13-1.14x faster, 16 prompts' first tokens 1.11-1.14x (interleaved A/B).
+        # They go through deepinfer::bf16_einsum, which takes torch's bf16 GEMM only where the CPU has bf16 dot
+        # products and the fp32 GEMM of the widened operands elsewhere (the same sums): baked in as bf16 GEMMs they
+        # ran 30-70x under the fp32 rate on an AVX2 CPU (the demo model's chunk 14 -> 60 ms).
         bf16 = spec.bf16_products and w["attn.w_uk"].dtype == torch.bfloat16
+        mm = (lambda eq, a, b: torch.ops.deepinfer.bf16_einsum(eq, a, b)) if bf16 else torch.einsum
         ctx = kv_cache[tbl[0]].flatten(0, 1)                                             # [C, Dc]
         if bf16:
             ctx = ctx.to(torch.bfloat16)
         c_ctx, k_pe_ctx = ctx[:, :kvr], ctx[:, kvr:]                                   # the pool is in x's dtype
-        k_nope = torch.einsum("cl,hdl->hcd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))   # [H, C, dn]
+        k_nope = mm("cl,hdl->hcd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))             # [H, C, dn]
         k = torch.cat([k_nope, k_pe_ctx[None].expand(H, -1, dr)], dim=-1)              # [H, C, dn + dr]
-        v = torch.einsum("cl,hvl->hcv", c_ctx, as_compute(w["attn.w_uv"], c_ctx))        # [H, C, dv]
+        v = mm("cl,hvl->hcv", c_ctx, as_compute(w["attn.w_uv"], c_ctx))                  # [H, C, dv]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)                             # [H, T, dn + dr]
         if bf16:
             q = q.to(torch.bfloat16)
-        scores = torch.bmm(q, k.transpose(1, 2))                                         # [H, T, C]
+            scores = mm("htd,hcd->htc", q, k)
+            weighted = lambda p: mm("htc,hcv->htv", p.to(v.dtype), v).float()           # noqa: E731
+        else:
+            scores = torch.bmm(q, k.transpose(1, 2))                                     # [H, T, C]
+            weighted = lambda p: torch.bmm(p.to(v.dtype), v).float()                     # noqa: E731
         scores = scores.float().mul(m.softmax_scale).masked_fill(mask.transpose(0, 1), float("-inf"))
-        o = _attend(spec, scores, lambda p: torch.bmm(p.to(v.dtype), v).float(), comm)  # [H, T, dv]
+        o = _attend(spec, scores, weighted, comm)                                        # [H, T, dv]
         o = o.transpose(0, 1).to(x.dtype)
     return linear(spec, o.reshape(T, -1), w["attn.o_proj"])
 

@@ -964,6 +964,15 @@ at::Tensor rows_linear_cpu(const at::Tensor& x_, const at::Tensor& w_) {
   return out;
 }
 
+// deepinfer::bf16_einsum: a bf16 product of the prefill attention (--matmul-dtype bfloat16) as bf16 hardware computes
+// it (exact products, fp32 sums, one rounding): torch's bf16 GEMM where the CPU has bf16 dot products, else the fp32
+// GEMM on the widened operands (torch's bf16 GEMMs run 30-70x under the fp32 rate there; runtime/ops.py).
+at::Tensor bf16_einsum_cpu(c10::string_view equation, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && !cpu_has_bf16_dot())
+    return at::einsum(equation, {a.to(at::kFloat), b.to(at::kFloat)}).to(at::kBFloat16);
+  return at::einsum(equation, {a, b});
+}
+
 // deepinfer_cpu::avx512_form(allow=None): whether the fp32 kernel takes its AVX-512 form (where the CPU has it;
 // the default unless DEEPINFER_CPU_AVX512=0); with `allow`, first allow or forbid it. Tests run both forms.
 bool avx512_form(std::optional<bool> allow) {
@@ -1014,4 +1023,5 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
   m.impl("grouped_mm", grouped_mm_cpu);
   m.impl("rows_linear", rows_linear_cpu);
+  m.impl("bf16_einsum", bf16_einsum_cpu);
 }

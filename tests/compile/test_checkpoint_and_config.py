@@ -339,6 +339,36 @@ def test_matmul_dtype_resolution(checkpoints):
     assert "/matmul=bfloat16" in key(bf16) and "matmul" not in key(plain)
 
 
+def test_bf16_products_leave_no_bf16_gemm_in_the_graphs():
+    """--matmul-dtype bfloat16 graphs hold no bf16 GEMM of their own: every bf16 product goes through an op that
+    picks its form on the machine that runs it (rows_linear, grouped_mm, bf16_einsum): torch's bf16 GEMMs where
+    the CPU has bf16 dot products, the fp32 GEMM on the widened operands elsewhere, where bf16 GEMMs run 30-70x
+    slower (a prefill chunk's attention baked in as bf16 GEMMs made the demo model's chunk 4.3x slower on an AVX2
+    CPU). The graphs are the same whichever CPU compiles them."""
+    from checkpoints import TINY
+    from deepinfer.compile.graphs import export_graph, plan_graphs
+    m = ModelConfig.from_hf_dict(dict(TINY, model_type="deepseek_v3"))
+    cc = resolve(CompileOptions(model=Path("tiny"), out=Path("unused"), matmul_dtype="bfloat16", decode_buckets=(2,),
+                                prefill_buckets=(16,), context_limit=64, context_buckets=()), m)
+    aten = torch.ops.aten
+    gemms = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten.matmul.default,
+             aten.linear.default, aten.einsum.default}
+    plans = [p for p in plan_graphs(m, cc) if p.spec.region in ("dense_layer", "moe_layer", "head")]
+    assert {p.spec.kind for p in plans} == {"decode", "prefill"} and all(p.spec.bf16_products for p in plans)
+    custom = set()
+    for plan in plans:
+        ep, _ = export_graph(plan)
+        for node in ep.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if str(node.target).startswith("deepinfer."):
+                custom.add(str(node.target).split(".")[1])
+            if node.target in gemms:
+                dtypes = [a.meta["val"].dtype for a in node.args if isinstance(a, torch.fx.Node)]
+                assert torch.bfloat16 not in dtypes, f"{plan.name}: {node.target} of {dtypes}"
+    assert {"rows_linear", "grouped_mm", "bf16_einsum"} <= custom
+
+
 def test_region_marks_in_manifest_lock_key_and_specs(checkpoints):
     """--region-marks is recorded in the manifest (absent when off: manifests and hashes as before it existed),
     in the lock key, and in every graph's spec (layer graphs trace the marks from it)."""
