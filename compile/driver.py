@@ -24,6 +24,7 @@ from ..common.manifest import (DECODE, MANIFEST_FILE, SCHEMA_VERSION, FileEntry,
                                WeightShard, sha256_file)
 from ..common.model_config import ModelConfig
 from ..common.toolchain import default_cache_dir
+from ..runtime.ops import cpu_has_bf16_dot
 from . import backends
 from .checkpoint import Checkpoint
 from .graphs import GraphPlan, export_graph, plan_graphs, sha256_bytes, traced_world
@@ -417,11 +418,6 @@ def _gib(n: int) -> str:
     if n >= 1 << 30:
         return f"{n / (1 << 30):.2f} GiB"
     return f"{n / (1 << 20):.1f} MiB"
-
-
-def cpu_has_bf16_dot() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (what --matmul-dtype bfloat16 is fast with)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def _describe(o: CompileOptions, m: ModelConfig, cc, n_graphs: int) -> str:

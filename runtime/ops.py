@@ -106,7 +106,7 @@ def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.new_empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
 
 
-def _cpu_bf16_dot() -> bool:
+def cpu_has_bf16_dot() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), where torch's bf16 GEMMs are fast."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
@@ -119,7 +119,7 @@ def bf16_einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
     where the CPU has bf16 dot products, else the fp32 GEMM on the widened operands, rounded once (the same sums).
     Baked into a graph as bf16 GEMMs, they ran 30-70x slower than fp32 on a CPU without bf16 dot products (a
     2-core AVX2 Zen 3 VM: the demo model's 256-token prefill chunk 14 -> 60 ms, 0.38x transformers')."""
-    if a.dtype == b.dtype == torch.bfloat16 and a.device.type == "cpu" and not _cpu_bf16_dot():
+    if a.dtype == b.dtype == torch.bfloat16 and a.device.type == "cpu" and not cpu_has_bf16_dot():
         return torch.einsum(equation, a.float(), b.float()).to(torch.bfloat16)
     return torch.einsum(equation, a, b)
 
