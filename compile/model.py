@@ -307,7 +307,7 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         # chunk's 78 before); the chunk 1.13-1.14x faster, 16 prompts' first tokens 1.11-1.14x (interleaved A/B).
         # They go through deepinfer::bf16_einsum, which takes torch's bf16 GEMM only where the CPU has bf16 dot
         # products and the fp32 GEMM of the widened operands elsewhere (the same sums): baked in as bf16 GEMMs they
-        # ran 30-70x under the fp32 rate on an AVX2 CPU (the demo model's chunk 14 -> 60 ms).
+        # ran 30-70x under the fp32 rate on an AVX2 CPU (the demo model's 256-token chunk 13 -> 65 ms).
         bf16 = spec.bf16_products and w["attn.w_uk"].dtype == torch.bfloat16
         mm = (lambda eq, a, b: torch.ops.deepinfer.bf16_einsum(eq, a, b)) if bf16 else torch.einsum
         ctx = kv_cache[tbl[0]].flatten(0, 1)                                             # [C, Dc]
