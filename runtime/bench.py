@@ -14,9 +14,12 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..common.errors import DeepinferError
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int, *key: int, prefix_len: int = 0) -> list[list[int]]:
@@ -179,6 +182,7 @@ def _sampling_flags(ap: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="deepinfer-bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = ap.add_subparsers(dest="mode", required=True)
     off = sub.add_parser("offline", help="TTFT/TPOT matrix straight on the runtime")
     off.add_argument("artifacts")
@@ -206,6 +210,19 @@ def main(argv: list[str] | None = None) -> None:
     on.add_argument("--json", action="store_true")
     _sampling_flags(on)
     a = ap.parse_args(argv)
+    try:
+        _run(a)
+    except DeepinferError as e:     # as the other commands (cli._errors): one line, exit code 2
+        if a.debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def _run(a: argparse.Namespace) -> None:
     sampling = {k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("top_k", a.top_k))
                 if v is not None}
     if sampling and a.temperature is None:

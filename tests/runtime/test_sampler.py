@@ -169,6 +169,18 @@ def test_the_offline_benchmark_takes_sampling_flags(checkpoints, compile_artifac
                                   (0.0, 0.5, 0.25, 1.2) for p in seen[1:])
 
 
+def test_the_benchmark_reports_bad_input_as_the_other_commands(tmp_path, capsys):
+    """deepinfer-bench: a typed error is one line on stderr and exit code 2, as deepinfer-compile/run's."""
+    from deepinfer.runtime import bench
+    with pytest.raises(SystemExit) as e:
+        bench.main(["offline", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "missing" in err
+    with pytest.raises(SystemExit):
+        bench.main(["--debug", "offline", str(tmp_path / "missing")])
+    assert "Traceback" in capsys.readouterr().err
+
+
 def test_the_offline_benchmark_prints_region_timing_per_row(checkpoints, compile_artifact, capsys, monkeypatch):
     """DEEPINFER_REGION_TIMING=1 deepinfer-bench offline: after each row, that row's region timing table (the
     warm-up and earlier rows left out), split into the layers' parts on a --region-marks build."""
