@@ -168,18 +168,19 @@ class Engine:
         vocab = self.manifest.model.vocab_size
         if not prompt_ids:
             raise RequestError("the prompt is empty")
+        if params.max_tokens < 1:
+            raise RequestError(f"max_tokens={params.max_tokens} must be at least 1")
+        if len(prompt_ids) + params.max_tokens > limit:     # before the id scan: a huge prompt costs nothing
+            raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                               f"{len(prompt_ids) + params.max_tokens} exceeds the compiled context limit {limit}")
         bad = next((t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if params.max_tokens < 1:
-            raise RequestError(f"max_tokens={params.max_tokens} must be at least 1")
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                               f"{len(prompt_ids) + params.max_tokens} exceeds the compiled context limit {limit}")
         if params.seed is not None and not -(2 ** 63) <= params.seed < 2 ** 63:
             raise RequestError(f"seed={params.seed} must be a 64-bit signed integer")
-        if not math.isfinite(params.temperature) or params.temperature < 0:
-            raise RequestError(f"temperature={params.temperature} must be a finite number >= 0")
+        if not (math.isfinite(params.temperature) and 0 <= params.temperature <= MAX_TEMPERATURE):
+            raise RequestError(f"temperature={params.temperature} must be between 0 and {MAX_TEMPERATURE:g} (the "
+                               f"sampler divides float32 logits by it)")
         if not 0 < params.top_p <= 1:
             raise RequestError(f"top_p={params.top_p} must be in (0, 1]")
         if params.top_k < 0:
@@ -197,8 +198,17 @@ class Engine:
             v = getattr(params, name)
             if not (math.isfinite(v) and -2 <= v <= 2):
                 raise RequestError(f"{name}={v} must be between -2 and 2")
-        if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
-            raise RequestError(f"repetition_penalty={params.repetition_penalty} must be a finite number > 0")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not (math.isfinite(params.repetition_penalty) and lo <= params.repetition_penalty <= hi):
+            # (a float32 logit divided by a penalty that rounds to 0 in float32 is inf: garbage, not an error)
+            raise RequestError(f"repetition_penalty={params.repetition_penalty} must be between {lo:g} and {hi:g}")
+        for name, n, most in (("stop", len(params.stop), MAX_STOP_STRINGS),
+                              ("logit_bias", len(params.logit_bias), MAX_LIST_ENTRIES),
+                              ("stop_token_ids", len(params.stop_token_ids), MAX_LIST_ENTRIES)):
+            if n > most:     # each is looked at for every token the request generates
+                raise RequestError(f"{name} has {n} entries: at most {most}")
+        if len({t for t, _ in params.logit_bias}) < len(params.logit_bias):
+            raise RequestError("logit_bias names a token id more than once")
         if not 0 <= params.min_tokens <= params.max_tokens:
             raise RequestError(f"min_tokens={params.min_tokens} must be between 0 and max_tokens "
                                f"({params.max_tokens})")
@@ -369,7 +379,10 @@ class Engine:
         if stop_token or (seq.constraint is not None and seq.constraint.done):
             reason = "stop"
         elif seq.params.stop and det is not None and not early:
-            hit = _first_stop(seq.output_text, seq.params.stop, seq.stop_from)
+            # a hit ends in the new text (one ending before it was found earlier): search the tail only
+            longest = max(len(x) for x in seq.params.stop)
+            tail = max(seq.stop_from, len(seq.output_text) - len(text) - longest + 1)
+            hit = _first_stop(seq.output_text, seq.params.stop, tail)
             if hit is not None:
                 emitted_before = len(seq.output_text) - len(text)
                 text = seq.output_text[emitted_before:hit] if hit > emitted_before else ""
@@ -413,6 +426,13 @@ def _collect_prompt_logprobs(e, logits: torch.Tensor) -> None:
                                            for i, vv in zip(ix.tolist(), v.tolist()))
         else:
             seq.prompt_top_logprobs.extend({} for _ in range(b - a))
+
+
+# Bounds on what a request may ask for that every one of its steps pays for (validate)
+MAX_TEMPERATURE = 1e4
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
+MAX_STOP_STRINGS = 64
+MAX_LIST_ENTRIES = 1024       # logit_bias and stop_token_ids entries
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:

@@ -140,7 +140,7 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
                                "<bool>) or {'messages': [...]} (optionally 'add_generation_prompt', 'tools')")
         if tok is None:
             raise no_tokenizer("/tokenize")
-        ids = tok.encode(prompt, add_special_tokens=special)
+        ids = await asyncio.to_thread(tok.encode, prompt, add_special_tokens=special)
         return {"tokens": ids, "count": len(ids), "max_model_len": limit}
 
     @app.post("/detokenize")
@@ -160,7 +160,9 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(request: Request):
         req = _parse(CompletionRequest, await _json(request))
-        prompts, texts = _prompts(req, tok)
+        # off the event loop (as the chat template's rendering): a long text prompt takes a while to tokenize,
+        # and every other request's stream would wait for it
+        prompts, texts = await asyncio.to_thread(_prompts, req, tok)
         return await _generate(request, req, prompts, texts, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
@@ -326,10 +328,12 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if any(s == "" for s in stop):
             raise RequestError("field 'stop': stop strings must not be empty")
-        bias = []
+        bias, keys = [], {}
         for key, value in (req.logit_bias or {}).items():
             if not key.strip().isdecimal() or len(key.strip()) > 18:    # (and int() refuses 4300+ digits)
                 raise RequestError(f"field 'logit_bias': key {key[:40]!r} is not a token id")
+            if (other := keys.setdefault(int(key), key)) is not key:     # "1" and "01": summed past +-100
+                raise RequestError(f"field 'logit_bias': keys {other!r} and {key!r} name the same token")
             bias.append((int(key), _number(f"logit_bias[{key!r}]", value)))
         return SamplingParams(max_tokens=max_tokens, temperature=_number("temperature", req.temperature),
                               top_p=_number("top_p", req.top_p), top_k=max(0, req.top_k), seed=req.seed, stop=stop,

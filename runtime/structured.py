@@ -36,6 +36,8 @@ def grammar_of(kind: str, spec) -> str:
                 spec = json.loads(spec)
             except ValueError as e:
                 raise RequestError(f"the JSON schema is not valid JSON ({e})") from None
+            except RecursionError:
+                raise RequestError("the JSON schema is nested too deeply to parse") from None
         if spec is True:             # JSON Schema's "anything"
             spec = {}
         if not isinstance(spec, dict):
@@ -44,6 +46,8 @@ def grammar_of(kind: str, spec) -> str:
             return M.grammar_from_json_schema(spec, overrides=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
             raise RequestError(f"the JSON schema: {e}") from None
+        except RecursionError:
+            raise RequestError("the JSON schema is nested too deeply") from None
     if kind == "regex":
         if not isinstance(spec, str) or not spec:
             raise RequestError("a regex constraint must be a non-empty string")

@@ -291,6 +291,10 @@ def test_eos_and_stop_strings_finish_a_sequence(engine):
     ([5], SamplingParams(logprobs=-1), "logprobs=-1"),              # topk(-1) failed the step, others with it
     ([5], SamplingParams(logprobs=321), "logprobs=321"),            # more than the vocabulary (320)
     ([5, 6], SamplingParams(prompt_logprobs=321), "prompt_logprobs=321"),
+    ([5], SamplingParams(logit_bias=((7, 1.0), (7, 2.0))), "more than once"),
+    ([5], SamplingParams(stop_token_ids=tuple(range(1025))), "at most 1024"),
+    ([5], SamplingParams(repetition_penalty=1e-50), "repetition_penalty"),
+    ([10 ** 9] * 10 ** 6, GREEDY, "exceeds the compiled context limit"),      # before looking at every id
 ])
 def test_bad_requests_are_refused_and_lose_nothing(engine, prompt, params, message):
     with pytest.raises(RequestError, match=message):

@@ -162,6 +162,12 @@ def test_served_greedy_equals_offline_run_also_under_32_concurrent(server):
     ({"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, "more than one"),
     ({"prompt": "x", "guided_grammar": "start: undefined_rule"}, "guided_grammar"),
     ({"prompt": "x", "guided_json": "{not json"}, "guided_json"),
+    ({"prompt": "x", "guided_json": "[" * 100000}, "nested too deeply"),    # was a RecursionError: a 500
+    ({"prompt": "x", "logit_bias": {"5": 100, "05": 100}}, "name the same token"),   # summed past +100
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "at most 1024"),
+    ({"prompt": "x", "stop": ["a"] * 65}, "at most 64"),
+    ({"prompt": "x", "repetition_penalty": 1e-50}, "repetition_penalty"),   # 0 in float32: inf logits
+    ({"prompt": "x", "temperature": 1e39}, "temperature"),                  # inf in float32
 ])
 def test_bad_requests_get_openai_errors(server, body, fragment):
     r = post(server, body)
