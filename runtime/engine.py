@@ -64,6 +64,7 @@ class Engine:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._grammars = None             # structured outputs' grammar engine, built at its first request
         self.num_steps = 0
+        self.current_step: ScheduledStep | None = None     # the step being run (None between steps)
         self.num_generated = 0
         self.num_draft_tokens = 0         # speculative draft tokens verified, and those accepted
         self.num_accepted_tokens = 0
@@ -262,9 +263,11 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
+        self.current_step = None
         step = self.scheduler.schedule()
         if step is None:
             return []
+        self.current_step = step    # what a step that raises held (EngineLoop fails those requests, no others)
         inputs = build_inputs(step, self.manifest.compile)
         if self.followers is not None:
             self.followers.publish(inputs)
@@ -280,6 +283,7 @@ class Engine:
         outputs = self._postprocess(step, logits)
         t3 = time.perf_counter()
         self.scheduler.observe(step, t3 - t0)
+        self.current_step = None
         self.num_steps += 1
         self.host_seconds += (t1 - t0) + (t3 - t2)
         self.sampler_seconds += t3 - t2

@@ -174,11 +174,18 @@ class EngineLoop:
             raise
         except Exception as e:  # a failed step fails the requests it held, not the server
             log.exception("engine step failed")
+            step = getattr(self.engine, "current_step", None)
+            held = {x.seq.seq_id for x in step.entries} if step is not None else None
             for s in list(self._streams.values()):
-                if s.seq in self.engine.scheduler.running:
-                    self.engine.abort(s.seq)
+                seq = s.seq
+                # the step's sequences (every running one if it failed while scheduling), and any it finished
+                # before it raised (their last tokens went with it): the others go on, a failing prefill chunk
+                # no concern of the sequences decoding beside it
+                if seq.is_finished or (seq.seq_id in held if held is not None else
+                                       seq in self.engine.scheduler.running):
+                    self.engine.abort(seq)
                     s.push(e)
-                    del self._streams[s.seq.seq_id]
+                    del self._streams[seq.seq_id]
             return
         for out in outputs:
             s = self._streams.get(out.seq.seq_id)

@@ -262,6 +262,39 @@ def test_top_k_1_is_greedy(engine):
     assert topk == greedy
 
 
+def test_a_failed_prefill_chunk_fails_its_request_only(engine, monkeypatch):
+    """EngineLoop: a step that raises fails the requests it held; a sequence decoding beside it goes on to its end
+    (it was failed too: every running sequence's request got the prefill chunk's error)."""
+    import asyncio
+    from deepinfer.runtime.engine_loop import EngineLoop, TokenEvent
+    run = engine.runner.run
+
+    def failing(si):
+        if si.kind == "prefill":
+            raise RuntimeError("injected prefill failure")
+        return run(si)
+    monkeypatch.setattr(engine.runner, "run", failing)
+    loop = EngineLoop(engine)
+    loop.start()
+
+    async def main():
+        [a] = await loop.submit([(prompts([3], seed=1)[0], SamplingParams(max_tokens=100, ignore_eos=True))])
+        events = [await asyncio.wait_for(a.events.get(), 60)]         # decoding
+        [b] = await loop.submit([(prompts([90], seed=2)[0], GREEDY)])   # prefill chunks
+        failed = await asyncio.wait_for(b.events.get(), 60)
+        while isinstance(events[-1], TokenEvent) and not events[-1].finished:
+            events.append(await asyncio.wait_for(a.events.get(), 60))
+        return failed, events
+    try:
+        failed, events = asyncio.run(main())
+    finally:
+        loop.stop()
+    assert isinstance(failed, RuntimeError) and "injected" in str(failed)
+    assert all(isinstance(ev, TokenEvent) for ev in events), events[-1]
+    assert len(events) == 100 and events[-1].finish_reason == "length"
+    assert not engine.has_work
+
+
 def test_eos_and_stop_strings_finish_a_sequence(engine):
     p = prompts([8], seed=11)[0]
     full = engine.generate([p], GREEDY)[0]
