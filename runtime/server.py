@@ -401,7 +401,11 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
     def _calls(mode: "ToolMode", seq, text: str) -> tuple[str | None, list[dict]]:
         """A finished choice's (content, tool calls) in a tool mode."""
         if mode.schema is not None:        # the output is the call's JSON: never content
-            return None, forced_calls(text, mode.name)
+            # a stop string or stop token that cut the call's JSON short leaves no call (finish_reason stays
+            # "stop", not "tool_calls"); max_tokens leaves a named call's arguments so far, as OpenAI's "length"
+            c = seq.constraint
+            cut = seq.finish_reason == "stop" and not (c is not None and c.done)
+            return None, [] if cut else forced_calls(text, mode.name)
         content, calls, marked = parser.split(seq.output_ids)
         if calls:
             return content or None, calls[:1] if mode.single else calls

@@ -498,6 +498,17 @@ def test_tool_calls_parsed_from_deepseek_markers_and_forced_by_tool_choice(serve
     cut = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=3, temperature=0,
                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls[0].function.arguments
+    # a stop string inside the forced JSON: no call (was one with the arguments cut short, as "tool_calls")
+    for stream in (False, True):
+        r = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=60,
+                                           temperature=0, stop=["city"], stream=stream,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        if stream:
+            chunks = list(r)
+            assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        else:
+            assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
     # 'required' cut short before a whole call: no call, and the JSON so far is not content either
     cut = client.chat.completions.create(model=model, messages=messages, tools=WEATHER, max_tokens=3, temperature=0,
                                          tool_choice="required")
