@@ -241,11 +241,13 @@ class Engine:
             raise self._grammars
         return self._grammars
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, constraint=None) -> Sequence:
+        """Queue a request. `constraint`: its structured output's matcher, when the caller built it already
+        (EngineLoop builds them off the engine thread); else built here."""
         self.validate(prompt_ids, params)
         seq = Sequence(list(prompt_ids), params)
         if params.structure is not None:
-            seq.constraint = self.grammars().constraint(params.structure)
+            seq.constraint = constraint if constraint is not None else self.grammars().constraint(params.structure)
         self.scheduler.add(seq)
         if self.tokenizer is not None:
             self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)

@@ -87,15 +87,16 @@ class EngineLoop:
         if k > limit:
             raise RequestError(f"the request asks for {k} sequences (prompts x n), more than this server queues at "
                                f"once ({limit}: deepinfer-run --max-waiting)")
+        constraints = await self._constraints(requests)
         with self._pending_lock:
             if self.num_pending + len(self.engine.scheduler.waiting) + k > limit:
                 raise CapacityError(f"the waiting queue is full ({limit} requests); retry later")
             self.num_pending += k
         loop = asyncio.get_running_loop()
         futs = []
-        for prompt_ids, params in requests:
+        for (prompt_ids, params), constraint in zip(requests, constraints):
             futs.append(loop.create_future())
-            self._inbox.put(("add", (prompt_ids, params, loop), futs[-1]))
+            self._inbox.put(("add", (prompt_ids, params, constraint, loop), futs[-1]))
         try:
             results = await asyncio.gather(*futs, return_exceptions=True)
         except asyncio.CancelledError:      # the client left while they were queued: whatever started stops
@@ -110,6 +111,23 @@ class EngineLoop:
                 self.abort(stream)
             raise failed
         return streams
+
+    async def _constraints(self, requests: list[tuple[list[int], SamplingParams]]) -> list:
+        """The structured outputs' grammar matchers, built in a worker thread (a large schema takes llguidance
+        a while: on the engine thread every running sequence would wait for it), one per grammar and a copy for
+        each further sequence (a request's n choices)."""
+        built: dict[str, object] = {}
+        out = []
+        for _, params in requests:
+            g = params.structure
+            if g is None:
+                out.append(None)
+            elif g in built:
+                out.append(built[g].copy())
+            else:
+                built[g] = await asyncio.to_thread(self.engine.grammars().constraint, g)
+                out.append(built[g])
+        return out
 
     def abort(self, stream: Stream) -> None:
         self._inbox.put(("abort", stream, None))
@@ -143,11 +161,11 @@ class EngineLoop:
                 return
             block = False
             if kind == "add":
-                prompt_ids, params, loop = arg
+                prompt_ids, params, constraint, loop = arg
                 with self._pending_lock:
                     self.num_pending -= 1
                 try:
-                    seq = self.engine.add_request(prompt_ids, params)
+                    seq = self.engine.add_request(prompt_ids, params, constraint)
                 except Exception as e:  # refuse this request only; the loop and everyone else go on
                     if not isinstance(e, DeepinferError):
                         log.exception("adding a request failed")

@@ -244,6 +244,42 @@ def test_structured_output_constrains_only_its_own_sequence(engine):
     assert not engine.has_work
 
 
+def test_the_engine_loop_builds_grammar_matchers_off_its_thread(engine, monkeypatch):
+    """EngineLoop.submit builds a structured output's matcher in a worker thread (llguidance may take long over a
+    large schema: the engine thread would stall every running sequence), once per grammar, copied for the
+    request's other sequences, each of which then follows the grammar on its own."""
+    import asyncio
+    import re
+    import threading
+    from deepinfer.runtime.engine_loop import EngineLoop, TokenEvent
+    from deepinfer.runtime.structured import Grammars, grammar_of
+    built = []
+    constraint = Grammars.constraint
+    monkeypatch.setattr(Grammars, "constraint", lambda self, g: built.append(threading.current_thread()) or
+                        constraint(self, g))
+    lark = 'start: "(" num "," num ")"\nnum: /[0-9]{1,2}/'
+    loop = EngineLoop(engine)
+    loop.start()
+
+    async def main():
+        sp = SamplingParams(max_tokens=40, temperature=1.0, structure=grammar_of("grammar", lark))
+        streams = await loop.submit([(prompts([8], seed=61)[0], dataclasses.replace(sp, seed=j)) for j in range(3)])
+        outs = []
+        for s in streams:
+            ev = TokenEvent(0, "", 0.0, {}, False, None)
+            while not ev.finished:
+                ev = await asyncio.wait_for(s.events.get(), 60)
+                assert isinstance(ev, TokenEvent), ev
+            outs.append((ev.text, ev.finish_reason))
+        return outs
+    try:
+        outs = asyncio.run(main())
+    finally:
+        loop.stop()
+    assert len(built) == 1 and built[0] is not loop._thread and built[0] is not threading.main_thread()
+    assert all(re.fullmatch(r"\([0-9]{1,2},[0-9]{1,2}\)", text) and why == "stop" for text, why in outs), outs
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     p = prompts([10, 12], seed=5)
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
