@@ -614,11 +614,30 @@ def _parse(model, body: dict):
 
 def _invalid(e: ValidationError) -> RequestError:
     """The first thing wrong with a request body, by its field."""
-    first = e.errors()[0]
+    errors = e.errors()
+    first = errors[0]
     loc, msg = first["loc"], first["msg"]
     if len(loc) > 1 and loc[-1] in ("int", "float"):     # a number: pydantic reports each member of the union
-        loc, msg = loc[:-1], "Input should be a number"
-    return RequestError(f"field '{_field(loc)}': {msg}")
+        return RequestError(f"field '{_field(loc[:-1])}': Input should be a number")
+    # a union reports each member it tried (loc "stop", "str" / "stop", "list[str]"): one message for them all,
+    # or, when a member failed inside (a list's item), the forms the field takes
+    where = _members_out(loc)
+    if where != loc:
+        field = where[:loc.index(next(x for x in loc if x not in where))]
+        same = [x for x in errors if tuple(x["loc"][:len(field)]) == field]
+        members = list(dict.fromkeys(x["loc"][len(field)] for x in same if len(x["loc"]) > len(field)))
+        if any(len(x["loc"]) > len(field) + 1 for x in same):
+            return RequestError(f"field '{_field(field)}': Input should be one of: {', '.join(members)}")
+        tried = list(dict.fromkeys(x["msg"] for x in same))
+        msg = tried[0] + "".join(f", or {m.removeprefix('Input should be ')}" for m in tried[1:])
+        where = field
+    return RequestError(f"field '{_field(where)}': {msg}")
+
+
+def _members_out(loc: tuple) -> tuple:
+    """A validation error's place without pydantic's union member names ('str', 'list[int]', 'dict[any,any]')."""
+    return tuple(x for x in loc if not (isinstance(x, str) and (x in ("str", "int", "float", "bool", "none")
+                                                                 or "[" in x)))
 
 
 def _field(loc: tuple) -> str:

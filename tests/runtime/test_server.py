@@ -168,6 +168,8 @@ def test_served_greedy_equals_offline_run_also_under_32_concurrent(server):
     ({"prompt": "x", "stop": ["a"] * 65}, "at most 64"),
     ({"prompt": "x", "repetition_penalty": 1e-50}, "repetition_penalty"),   # 0 in float32: inf logits
     ({"prompt": "x", "temperature": 1e39}, "temperature"),                  # inf in float32
+    ({"prompt": "x", "stop": 5}, "field 'stop': Input should be a valid string, or a valid list"),  # was 'stop.str'
+    ({"prompt": [1, "a"]}, "field 'prompt': Input should be one of: str, list[int]"),
 ])
 def test_bad_requests_get_openai_errors(server, body, fragment):
     r = post(server, body)
