@@ -310,7 +310,7 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
             raise RequestError("field 'stream_options' is only allowed with 'stream': true")
         if req.stop and tok is None:
             raise no_tokenizer("stop strings")
-        if req.n > 1 and req.temperature < GREEDY_BELOW:
+        if req.n > 1 and 0 <= req.temperature < GREEDY_BELOW:     # (a negative one: validate says so)
             raise RequestError(f"n > 1 with temperature {req.temperature} (greedy below {GREEDY_BELOW}) would return "
                                f"identical choices; use a higher temperature")
         max_tokens = req.max_tokens

@@ -170,6 +170,7 @@ def test_served_greedy_equals_offline_run_also_under_32_concurrent(server):
     ({"prompt": "x", "temperature": 1e39}, "temperature"),                  # inf in float32
     ({"prompt": "x", "stop": 5}, "field 'stop': Input should be a valid string, or a valid list"),  # was 'stop.str'
     ({"prompt": [1, "a"]}, "field 'prompt': Input should be one of: str, list[int]"),
+    ({"prompt": "x", "n": 2, "temperature": -1}, "temperature=-1.0 must be between 0"),
 ])
 def test_bad_requests_get_openai_errors(server, body, fragment):
     r = post(server, body)
