@@ -24,7 +24,8 @@ def _buckets(ctx, param, value):
     try:
         return tuple(int(v) for v in str(value).split(",") if v.strip())
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers",
+                                 param_hint=None if param is not None else "'--context-buckets'") from None
 
 
 def _errors(fn):

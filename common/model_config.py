@@ -192,6 +192,8 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
 
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ConfigError(f"{source}: field 'architectures'={archs!r} must be a list of class names")
     if model_type not in ("deepseek_v3", None) and not (set(archs) & _ARCHITECTURES):
         raise ConfigError(
             f"{source}: model_type={model_type!r} is not a DeepSeek-V3-shaped model "
@@ -284,7 +286,8 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
 
 
 def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    # rope_scaling (the older field) first, as transformers reads a config that has both
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise ConfigError(f"{source}: rope_parameters/rope_scaling={params!r} must be an object")
     if params and all(isinstance(v, dict) for v in params.values()):
@@ -296,7 +299,9 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
         return v
 
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = number("rope_theta", params.get("rope_theta", cfg.get("rope_theta", 10000.0)), positive=True)
+    other = cfg.get("rope_parameters") if params is cfg.get("rope_scaling") else None
+    theta = params.get("rope_theta", other.get("rope_theta") if isinstance(other, dict) else None)
+    theta = number("rope_theta", theta if theta is not None else cfg.get("rope_theta", 10000.0), positive=True)
     if rope_type == "default":
         return RopeConfig(rope_type="default", theta=float(theta))
     if rope_type != "yarn":
@@ -309,6 +314,11 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
     for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
         if params.get(name) is not None:
             number(name, params[name], positive=False)
+    for name in ("beta_fast", "beta_slow"):      # (0 or absent: the defaults, 32 and 1)
+        if params.get(name) is not None and params[name] < 0:
+            raise ConfigError(f"{source}: field '{name}'={params[name]!r} must be >= 0")
+    if theta <= 1:      # YaRN's correction range divides by log(rope_theta)
+        raise ConfigError(f"{source}: field 'rope_theta'={theta!r} must be above 1 with yarn")
     af = params.get("attention_factor")
     return RopeConfig(
         rope_type="yarn",

@@ -103,7 +103,9 @@ def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) 
         raise OptionError(f"--context-limit={limit} exceeds the model's max_position_embeddings="
                           f"{m.max_position_embeddings}")
     if limit % o.block_size:
-        raise OptionError(f"--context-limit={limit} is not a multiple of --block-size={o.block_size}")
+        given = "--context-limit" if o.context_limit is not None else \
+            "the context limit (the model's max_position_embeddings: pass --context-limit)"
+        raise OptionError(f"{given}={limit} is not a multiple of --block-size={o.block_size}")
 
     decode = _buckets("--decode-buckets", o.decode_buckets, limit)
     if not decode:

@@ -59,6 +59,22 @@ def test_rope_matches_transformers():
     assert ours.softmax_scale == pytest.approx(DeepseekV3Attention(hf_cfg, 0).scaling)
 
 
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
+    """A config with both fields (transformers v5 writes rope_parameters; an older rope_scaling added to extend
+    the context): transformers reads rope_scaling, and so must we, or the two would run different RoPE."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+    small = dict(copy.deepcopy(V3_671B), hidden_size=64, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
+                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_hidden_layers=1,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    small.pop("quantization_config")
+    ours = ModelConfig.from_hf_dict(copy.deepcopy(small))
+    hf_cfg = DeepseekV3Config(**{k: v for k, v in small.items() if k not in ("architectures", "model_type")})
+    rot = DeepseekV3RotaryEmbedding(hf_cfg)
+    assert ours.rope.rope_type == "yarn" and torch.equal(rope_inv_freq(ours), rot.inv_freq)
+    assert ours.rope_attention_factor == pytest.approx(rot.attention_scaling)
+
+
 @pytest.mark.parametrize("change,message", [
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "not a DeepSeek-V3-shaped model"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
@@ -79,6 +95,9 @@ def test_rope_matches_transformers():
     ({"quantization_config": ["fp8"]}, "quantization_config=['fp8'] must be an object"),
     ({"bos_token_id": 129280}, "bos_token_id=129280 is outside the vocabulary"),
     ({"max_position_embeddings": 0, "rope_scaling": None}, "max_position_embeddings=0 must be positive"),
+    ({"model_type": "kimi_k2", "architectures": "DeepseekV3ForCausalLM"}, "must be a list of class names"),
+    ({"rope_scaling": dict(V3_671B["rope_scaling"], beta_fast=-1)}, "'beta_fast'=-1 must be >= 0"),  # math error
+    ({"rope_theta": 1}, "'rope_theta'=1 must be above 1 with yarn"),                  # was a ZeroDivisionError
 ])
 def test_bad_config_names_the_field(change, message):
     cfg = copy.deepcopy(V3_671B)
@@ -281,6 +300,14 @@ def test_bad_options_are_refused(checkpoints, kw, message):
     opts.update(kw)
     with pytest.raises(OptionError, match=message.replace("(", r"\(").replace("+", r"\+")):
         resolve(CompileOptions(**opts), m)
+
+
+def test_a_derived_context_limit_is_named_as_such(checkpoints):
+    """No --context-limit: the limit comes from max_position_embeddings, and an error about it says so rather
+    than naming a flag the user never passed."""
+    m = dataclasses.replace(ModelConfig.from_file(checkpoints["base"] / "config.json"), max_position_embeddings=500)
+    with pytest.raises(OptionError, match="max_position_embeddings: pass --context-limit.=500 is not a multiple"):
+        resolve(CompileOptions(model=checkpoints["base"], out=Path("unused")), m)
 
 
 @pytest.mark.parametrize("kw,path", [
