@@ -89,11 +89,25 @@ def write_plan(root: Path, m: Manifest, final_root: Path | None = None) -> None:
 def finish(root: Path, only: list[str] | None = None, log=print) -> Manifest:
     """Phase 2: trace every (or the named) graph to a NEFF and rewrite the manifest."""
     import torch
-    torch_neuronx = require_sdk()
-    m = Manifest.read(root)
+    from ..runtime.artifact import open_artifact
+    root = Path(root)
+    # the artifact as compiled (root hash, every file's hash), or this would approve an edited one with a new hash
+    m = open_artifact(root, verify=True, check_toolchain=False).manifest
     if m.compile.backend != "neuron":
         raise ArtifactError(f"{root}: backend is {m.compile.backend!r}, not neuron")
-    plan = {g["name"]: g for g in json.loads((root / "neuron/plan.json").read_text())["graphs"]}
+    unknown = sorted(set(only or ()) - {g.name for g in m.graphs})
+    if unknown:
+        raise ArtifactError(f"{root}: no graph named {', '.join(unknown)} (deepinfer-inspect {root} lists them)")
+    try:
+        plan = {g["name"]: g for g in json.loads((root / "neuron/plan.json").read_text())["graphs"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ArtifactError(f"{root / 'neuron/plan.json'}: cannot be read ({type(e).__name__}: {e}); compile the "
+                            f"artifact again") from None
+    missing = [g.name for g in m.graphs if g.name not in plan and not g.file.endswith(".neff.pt")]
+    if missing:
+        raise ArtifactError(f"{root / 'neuron/plan.json'}: no plan for {', '.join(missing[:3])}; compile the "
+                            f"artifact again")
+    torch_neuronx = require_sdk()
     import neuronxcc  # type: ignore[import-not-found]
     version = f"neuronx-cc-{getattr(neuronxcc, '__version__', 'unknown')}"
     new: list[GraphEntry] = []

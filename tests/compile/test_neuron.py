@@ -60,6 +60,24 @@ def test_runtime_and_finish_refuse_clearly_without_the_sdk(prepared):
     assert "Traceback" not in r.stderr
 
 
+def test_finish_refuses_an_edited_artifact_and_unknown_graphs(prepared, tmp_path):
+    """deepinfer-neuron-finish checks the artifact as compiled before anything (it rewrites the root hash, so it
+    would otherwise approve an edited manifest), names a --graph the artifact lacks, and a broken plan.json."""
+    import shutil
+    art = tmp_path / "art"
+    shutil.copytree(prepared, art)
+    with pytest.raises(ArtifactError, match="no graph named nope"):
+        finish(art, only=["nope"])
+    (art / "neuron/plan.json").write_text("{")
+    with pytest.raises(ArtifactError, match="plan.json: cannot be read"):
+        finish(art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["compile"]["context_limit"] *= 2
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="root hash does not match"):
+        finish(art)
+
+
 def test_neuron_target_is_required(checkpoints, tmp_path):
     r = cli("compile_main", "--model", str(checkpoints["base"]), "--out", str(tmp_path / "a"), "--backend", "neuron")
     assert r.returncode == 2 and "--neuron-target" in r.stderr
