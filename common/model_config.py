@@ -228,6 +228,9 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
         eos_ids = tuple(eos)
     else:
         raise ConfigError(f"{source}: field 'eos_token_id'={eos!r} must be an int or a list of ints")
+    bos = cfg.get("bos_token_id")
+    if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):     # was read as "no BOS"
+        raise ConfigError(f"{source}: field 'bos_token_id'={bos!r} must be an int")
 
     fp8_block = None
     ckpt_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
@@ -274,8 +277,7 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
         rope_interleave=opt("rope_interleave", True, bool),
         tie_word_embeddings=opt("tie_word_embeddings", False, bool),
         max_position_embeddings=opt("max_position_embeddings", 4096),
-        bos_token_id=(cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int)
-                      and not isinstance(cfg.get("bos_token_id"), bool) else None),
+        bos_token_id=bos,
         eos_token_ids=eos_ids,
         num_nextn_predict_layers=opt("num_nextn_predict_layers", opt("num_mtp_layers", 1)),   # transformers' alias
         checkpoint_dtype=str(ckpt_dtype),

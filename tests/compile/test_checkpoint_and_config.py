@@ -94,6 +94,7 @@ def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
     ({"rope_theta": 10 ** 400}, "'rope_theta'=1000.* must be a positive number"),
     ({"quantization_config": ["fp8"]}, "quantization_config=['fp8'] must be an object"),
     ({"bos_token_id": 129280}, "bos_token_id=129280 is outside the vocabulary"),
+    ({"bos_token_id": "0"}, "'bos_token_id'='0' must be an int"),                 # was read as no BOS at all
     ({"max_position_embeddings": 0, "rope_scaling": None}, "max_position_embeddings=0 must be positive"),
     ({"model_type": "kimi_k2", "architectures": "DeepseekV3ForCausalLM"}, "must be a list of class names"),
     ({"rope_scaling": dict(V3_671B["rope_scaling"], beta_fast=-1)}, "'beta_fast'=-1 must be >= 0"),  # math error
