@@ -112,3 +112,27 @@ def test_aoti_bf16_weights_match_transformers(bf16_checkpoint, cache_dir, tmp_pa
     prompts = [[7, 8, 9], list(range(5, 45)), [11] * 6, [3, 1, 4, 1, 5]]
     got = [s.output_ids for s in engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
     assert got == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def test_the_cpu_target_names_the_avx512_extensions_inductor_compiles_for(monkeypatch):
+    """An AVX-512 host's target carries VNNI / AVX512-BF16 / AMX (Inductor builds with -mavx512bf16 and -mamx-*
+    where the CPU has them): an artifact built on an AMX host is refused, not run into an illegal instruction, on
+    an AVX-512 host without AMX."""
+    from deepinfer.common.errors import ArtifactError
+    from deepinfer.common.manifest import Toolchain
+    from deepinfer.common.toolchain import cpu_isa
+    from deepinfer.runtime.artifact import verify_toolchain
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    for name in ("_is_avx512_vnni_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: False, raising=False)
+    plain = cpu_isa()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    amx = cpu_isa()
+    assert plain.endswith("-AVX512") and amx.endswith("-AVX512+bf16+amx")
+    tc = Toolchain(torch=torch.__version__, python="3.11", backend="cpu", target=amx, compiler="aotinductor")
+    m = type("M", (), {"toolchain": tc})()
+    verify_toolchain(m)              # the machine it was built on
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    with pytest.raises(ArtifactError, match="compiled for CPU .*AVX512\\+bf16\\+amx, this machine is .*AVX512\\+bf16;"):
+        verify_toolchain(m)
