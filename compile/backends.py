@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..common.errors import BackendUnavailable
-from ..common.manifest import NEURON_PENDING, Toolchain
+from ..common.manifest import NEURON_PENDING, Toolchain, sha256_file
 from ..common.toolchain import cpu_isa
 
 # What each backend writes next to the canonical exported program (graphs/<name>.ep.pt2).
@@ -49,14 +49,30 @@ class CompileCache:
         return self.root / ghash[:2] / (ghash + suffix)
 
     def get(self, ghash: str, suffix: str) -> Path | None:
+        """The cached file, if it is there whole: its content hash, written beside it by put(), must match (a
+        truncated or damaged entry is a miss, and compiled again, not copied into an artifact as it is)."""
         p = self.path(ghash, suffix)
-        return p if p.is_file() else None
+        check = p.with_name(p.name + ".sha256")
+        if not p.is_file():
+            return None
+        try:
+            ok = check.read_text().strip() == sha256_file(p)
+        except OSError:
+            ok = False
+        if not ok:
+            p.unlink(missing_ok=True)
+            check.unlink(missing_ok=True)
+            return None
+        return p
 
     def put(self, ghash: str, suffix: str, src: Path) -> Path:
         dst = self.path(ghash, suffix)
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
         shutil.copyfile(src, tmp)
+        digest = tmp.with_name(tmp.name + ".sha256")
+        digest.write_text(sha256_file(tmp) + "\n")
+        os.replace(digest, dst.with_name(dst.name + ".sha256"))
         os.replace(tmp, dst)
         return dst
 

@@ -136,3 +136,19 @@ def test_the_cpu_target_names_the_avx512_extensions_inductor_compiles_for(monkey
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
     with pytest.raises(ArtifactError, match="compiled for CPU .*AVX512\\+bf16\\+amx, this machine is .*AVX512\\+bf16;"):
         verify_toolchain(m)
+
+
+def test_a_damaged_compile_cache_entry_is_a_miss(tmp_path):
+    """The compile cache hands out an entry only if its content hash (written beside it) matches: a truncated
+    or damaged file is dropped and compiled again, not copied into an artifact (whose hashes it would then pass)."""
+    from deepinfer.compile.backends import CompileCache
+    cache = CompileCache(tmp_path / "cache")
+    src = tmp_path / "graph.aoti.pt2"
+    src.write_bytes(os.urandom(4096))
+    entry = cache.put("ab" * 32, ".aoti.pt2", src)
+    assert cache.get("ab" * 32, ".aoti.pt2") == entry and entry.read_bytes() == src.read_bytes()
+    entry.write_bytes(src.read_bytes()[:100])            # truncated
+    assert cache.get("ab" * 32, ".aoti.pt2") is None and not entry.exists()
+    cache.put("cd" * 32, ".aoti.pt2", src)
+    cache.path("cd" * 32, ".aoti.pt2").with_suffix(".pt2.sha256").unlink()   # written before hashes were
+    assert cache.get("cd" * 32, ".aoti.pt2") is None
