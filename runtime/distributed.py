@@ -83,9 +83,14 @@ def free_port() -> int:
 
 def init_process_group(rank: int, world: int, device: str, addr: str, port: int, timeout_s: float) -> None:
     import torch.distributed as dist
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+    dist.init_process_group(process_group_backend(device), init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
+
+
+def process_group_backend(device: str) -> str:
+    """NCCL for the graphs' collectives on GPUs, and gloo beside it for CPU tensors (torchrun's step record,
+    a CPU buffer broadcast each step: NCCL alone has no CPU backend and refused it)."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
 def claim_device(rank: int, world: int, device: str) -> str:
@@ -307,6 +312,11 @@ def exit_without_teardown(code: int = 0) -> None:
 def follower_main() -> None:
     """Entry point of a spawned follower (environment set by `Followers`)."""
     _die_with_parent()
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group: the leader drains its requests and
+    # then stops the followers (a STOP record, a closed doorbell, or its death); a follower that died at the
+    # signal failed every request at once instead
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank = int(os.environ["DEEPINFER_LOCAL_RANK"])
     world = int(os.environ["DEEPINFER_WORLD_SIZE"])
     bell = int(os.environ["DEEPINFER_DOORBELL_FD"])

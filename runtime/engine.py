@@ -114,7 +114,8 @@ class Engine:
         # this host's GPU of this rank: torchrun's LOCAL_RANK (the global rank modulo the GPU count only where
         # every host runs as many ranks as it has GPUs)
         device = claim_device(_torchrun_local()[0], 1, device) if device.startswith("cuda") else device
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        from .distributed import process_group_backend
+        dist.init_process_group(process_group_backend(device))
         channel = BroadcastChannel(art.manifest)
         if rank != 0:
             run_follower(art.root, rank, world, device, channel.receive)

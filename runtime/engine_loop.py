@@ -135,10 +135,14 @@ class EngineLoop:
     # -- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            followers = getattr(self.engine, "followers", None)
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_work)
                 if self.engine.has_work:
                     self._step()
+                elif followers is not None:
+                    followers.check()   # a rank that died while idle stops the server now (/health), not at
+                    # the next request
         except BaseException as e:  # the loop itself broke (a rank died): fail everyone, then report
             self.error = e
             log.error("engine loop stopped: %s", e)
@@ -152,6 +156,16 @@ class EngineLoop:
                 self.engine.abort(s.seq)
                 s.push(CapacityError("the server is shutting down"))
             self._streams.clear()
+            while True:                   # requests still queued for the loop: answered, not left waiting
+                try:
+                    kind, arg, fut = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    with self._pending_lock:
+                        self.num_pending -= 1
+                    err = self.error or CapacityError("the server is shutting down")
+                    arg[-1].call_soon_threadsafe(_resolve, fut, None, err)
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -191,6 +205,10 @@ class EngineLoop:
             # later call: the engine stops (and the server with it) instead of failing each new request in turn
             raise
         except Exception as e:  # a failed step fails the requests it held, not the server
+            if getattr(self.engine, "followers", None) is not None:
+                # the followers ran (or wait in) the step's collectives: the ranks are out of step
+                raise RankFailure(f"a step failed on the leader while followers ran it ({type(e).__name__}: "
+                                  f"{e}); the ranks are out of step") from e
             log.exception("engine step failed")
             step = getattr(self.engine, "current_step", None)
             held = {x.seq.seq_id for x in step.entries} if step is not None else None

@@ -626,3 +626,49 @@ def test_warmup_runs_every_step_shape_on_padding_and_changes_nothing(artifact, e
     assert steps >= len(warm.manifest.compile.decode_buckets) and warm.scheduler.blocks.num_free == free
     assert [name for name, n in calls.items() if n == 0 and not name.startswith("moe_dense")] == []
     assert [s.output_ids for s in warm.generate(prompts([3, 40, 9]), GREEDY)] == want
+
+
+def test_the_engine_loop_stops_on_a_rank_failure_also_when_idle_or_out_of_step():
+    """With followers: a rank that died while no request ran stops the loop (and so the server, /health) within
+    the idle poll, not at the next request; a step that raises on the leader is fatal (the followers ran or wait
+    in its collectives: the ranks are out of step), where alone it fails only its own requests."""
+    import threading
+    from deepinfer.common.errors import RankFailure
+    from deepinfer.runtime.engine_loop import EngineLoop
+
+    class Followers:
+        failure = None
+
+        def check(self):
+            if self.failure is not None:
+                raise self.failure
+
+    class Idle:                          # an engine with nothing to do
+        followers = Followers()
+        has_work = False
+
+    fatal = threading.Event()
+    idle = Idle()
+    loop = EngineLoop(idle, on_fatal=lambda e: fatal.set())
+    loop.start()
+    try:
+        time.sleep(0.2)
+        assert loop.alive
+        idle.followers.failure = RankFailure("follower rank 1 exited with code -9 (SIGKILL)")
+        assert fatal.wait(5) and isinstance(loop.error, RankFailure) and not loop.alive
+    finally:
+        loop.stop()
+
+    class Failing(Idle):                 # a step that raises, followers alive
+        followers = Followers()
+        has_work = True
+
+        def step(self):
+            raise RuntimeError("injected")
+    fatal.clear()
+    loop = EngineLoop(Failing(), on_fatal=lambda e: fatal.set())
+    loop.start()
+    try:
+        assert fatal.wait(5) and isinstance(loop.error, RankFailure) and "out of step" in str(loop.error)
+    finally:
+        loop.stop()
