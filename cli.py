@@ -10,12 +10,11 @@ import json
 import math
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import click
 
-from .common.errors import DeepinferError
+from .common.errors import exit_on_error
 
 
 def _buckets(ctx, param, value):
@@ -32,17 +31,8 @@ def _errors(fn):
     """Typed errors become one line on stderr and exit code 2; --debug shows the traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        debug = kwargs.pop("debug", False)
-        try:
+        with exit_on_error(kwargs.pop("debug", False)):
             return fn(*args, **kwargs)
-        except DeepinferError as e:
-            if debug:
-                traceback.print_exc()
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(130)
     return click.option("--debug", is_flag=True, help="Show tracebacks.")(wrapper)
 
 

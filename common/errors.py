@@ -1,8 +1,28 @@
 """Typed errors. Every message names the field or file, the value, and the rule it broke."""
 
+import contextlib
+import sys
+import traceback
+
 
 class DeepinferError(Exception):
     """Base class: the CLI prints these as one line and exits with code 2."""
+
+
+@contextlib.contextmanager
+def exit_on_error(debug: bool = False):
+    """The commands' error convention: a typed error is one line on stderr and exit code 2 (debug: the traceback
+    first); Ctrl-C is "interrupted" and 130."""
+    try:
+        yield
+    except DeepinferError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 class ConfigError(DeepinferError):

@@ -301,9 +301,10 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
         return v
 
     rope_type = params.get("rope_type", params.get("type", "default"))
-    other = cfg.get("rope_parameters") if params is cfg.get("rope_scaling") else None
-    theta = params.get("rope_theta", other.get("rope_theta") if isinstance(other, dict) else None)
-    theta = number("rope_theta", theta if theta is not None else cfg.get("rope_theta", 10000.0), positive=True)
+    # the chosen field's theta, else rope_parameters' (transformers v5 keeps it there), else the top level's
+    theta = next((d["rope_theta"] for d in (params, cfg.get("rope_parameters"))
+                  if isinstance(d, dict) and d.get("rope_theta") is not None), cfg.get("rope_theta", 10000.0))
+    theta = number("rope_theta", theta, positive=True)
     if rope_type == "default":
         return RopeConfig(rope_type="default", theta=float(theta))
     if rope_type != "yarn":

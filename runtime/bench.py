@@ -14,12 +14,11 @@ import json
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..common.errors import DeepinferError
+from ..common.errors import exit_on_error
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int, *key: int, prefix_len: int = 0) -> list[list[int]]:
@@ -210,16 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     on.add_argument("--json", action="store_true")
     _sampling_flags(on)
     a = ap.parse_args(argv)
-    try:
+    with exit_on_error(a.debug):     # as the other commands: one line, exit code 2
         _run(a)
-    except DeepinferError as e:     # as the other commands (cli._errors): one line, exit code 2
-        if a.debug:
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
 
 
 def _run(a: argparse.Namespace) -> None:

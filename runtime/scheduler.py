@@ -283,8 +283,7 @@ class Scheduler:
                 continue
             self.blocks.allocate(seq, n)
             entries.append(StepEntry.of(seq, n))
-            if fills := self._completes(entries[-1]):
-                computing |= fills
+            computing |= self._completes(entries[-1])
             chosen.add(seq)
             used += n
         for seq in list(self.waiting):
