@@ -2,9 +2,10 @@
 
 Only what torch and Inductor do not do well enough: `grouped_rows_mm`, a GEMM for groups of a few rows, where
 MKL's sgemm runs far under the memory peak (the MoE experts up to 64 rows an expert, and as one group CPU graphs' few-row linears
-on big weights), and `paged_mla_decode`, decode attention read straight from the paged latent pool. The library
-also registers C++ CPU implementations of the graphs' ops (`deepinfer::grouped_mm`, `rows_linear`,
-`paged_mla_decode`, defined in runtime/ops.py), so a compiled graph's call reaches them without entering Python.
+on big weights), `paged_mla_decode`, decode attention read straight from the paged latent pool, and
+`prefill_attention`, a prefill chunk's causal attention over only the keys each query sees. The library also
+registers C++ CPU implementations of the graphs' ops (`deepinfer::grouped_mm`, `rows_linear`, `paged_mla_decode`,
+`prefill_attention`, defined in runtime/ops.py), so a compiled graph's call reaches them without entering Python.
 They are an optimisation, never a dependency: when they cannot be used here (not x86-64 with AVX2, no C++
 compiler, a failed build, DEEPINFER_CPU_KERNELS=0), `available()` says False once, with the reason, and the ops
 keep their Python bodies (torch's own paths).
@@ -28,7 +29,7 @@ import torch
 log = logging.getLogger("deepinfer")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / name for name in ("grouped_rows_mm.cpp", "paged_mla_decode.cpp")]
+SOURCES = [CSRC / name for name in ("grouped_rows_mm.cpp", "paged_mla_decode.cpp", "prefill_attention.cpp")]
 HEADERS = sorted(CSRC.glob("*.h"))
 ENV = "DEEPINFER_CPU_KERNELS"
 
@@ -65,7 +66,7 @@ def _load() -> str | None:
         caps = "unknown"
     if caps not in ("AVX2", "AVX512"):
         return f"this CPU's vector ISA is {caps}; the kernels need AVX2 and FMA"
-    if hasattr(torch.ops.deepinfer_cpu, "paged_mla_decode"):
+    if hasattr(torch.ops.deepinfer_cpu, "prefill_attention"):
         return None                  # already loaded in this process
     if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH; the pip wheel's may not be on it
         try:

@@ -254,6 +254,41 @@ def _(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, valid
     return q.new_empty(T, H, kv_lora_rank, dtype=torch.float32), q.new_empty(T, H, dtype=torch.float32)
 
 
+@torch.library.custom_op("deepinfer::prefill_attention", mutates_args=())
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """A prefill chunk's attention over its packed context: q [T, H, D], k [C, H, D], v [C, H, Dv], starts [T] (where
+    each query's sequence begins in the context), positions [T] (its position in that sequence) -> o [T, H, Dv] fp32:
+    softmax(scale * q . k) . v over keys starts .. starts + position (zero for a query with none).
+
+    What CPU prefill graphs call without context parallelism (`compile.model.mla_attention`): the kernel
+    (runtime/csrc/prefill_attention.cpp) scores each block of queries only against the keys they see, where the
+    torch form below scores the whole bucket and masks half of it away."""
+    if q.dtype == k.dtype == v.dtype == torch.float32 and _kernel_runs(q, k):
+        return torch.ops.deepinfer_cpu.prefill_attention(q, k, v, starts, positions, scale)
+    return prefill_attention_torch(q, k, v, starts, positions, scale)
+
+
+def prefill_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                            positions: torch.Tensor, scale: float) -> torch.Tensor:
+    rel = torch.arange(k.shape[0], device=q.device)[None, :] - starts[:, None]
+    valid = (rel >= 0) & (rel <= positions[:, None])                          # [T, C]
+    scores = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)).float() * scale     # [H, T, C]
+    scores = scores.masked_fill(~valid[None], float("-inf"))
+    o = partial_softmax(scores, lambda e: torch.matmul(e.to(v.dtype), v.transpose(0, 1)).float())[0]
+    return o.transpose(0, 1)                                                  # [T, H, Dv]
+
+
+@prefill_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor,
+      scale: float) -> torch.Tensor:
+    T, H, D = q.shape
+    torch._check(k.dim() == 3 and k.shape[1] == H and k.shape[2] == D, lambda: "prefill_attention: k [C, H, D]")
+    torch._check(v.dim() == 3 and v.shape[:2] == k.shape[:2], lambda: "prefill_attention: v [C, H, Dv]")
+    torch._check(starts.shape == (T,) and positions.shape == (T,), lambda: "prefill_attention: starts, positions [T]")
+    return q.new_empty(T, H, v.shape[2], dtype=torch.float32)
+
+
 def _few_rows_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> bool:
     """CPU fp32, at most KERNEL_MAX_ROWS_PER_GROUP rows a group on average (counting the rows in groups only, not
     the padding and other ranks' pairs past offs[-1]): runtime/csrc/grouped_rows_mm.cpp, which

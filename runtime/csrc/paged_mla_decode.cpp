@@ -26,24 +26,8 @@
 
 namespace {
 
+using deepinfer_simd::exp_nonpositive;
 using deepinfer_simd::hsum8;
-
-// exp for x <= 0 (softmax after the max is subtracted): Cephes' single-precision polynomial, ~1 ulp.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);   // maxps returns its second operand for NaN: NaN stays NaN
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 // Scores of NH heads x NK keys (NH * NK = 8) in one pass over Dc: s[h * ldc + k] = q[h] . key[k] (unscaled).
 template <int NH, int NK>

@@ -704,3 +704,53 @@ def test_paged_mla_decode_rejects_blocks_outside_the_pool():
     q, kv = torch.randn(2, 4, 16), torch.randn(3, 4, 16)
     with pytest.raises(RuntimeError, match="outside the pool"):
         torch.ops.deepinfer.paged_mla_decode(q, kv, torch.tensor([[0], [3]]), torch.ones(2, 4, dtype=torch.bool), 8, 1.0)
+
+
+def _prefill_reference(q, k, v, starts, positions, scale):
+    rel = torch.arange(k.shape[0])[None, :] - starts[:, None]
+    valid = (rel >= 0) & (rel <= positions[:, None])                                   # [T, C]
+    s = torch.einsum("thd,chd->htc", q.double(), k.double()) * scale
+    p = torch.softmax(s.masked_fill(~valid[None], float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("htc,chv->thv", p, v.double())
+
+
+def _packed(lengths: list[int], pad: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """starts, positions of sequences packed back to back (the first continuing from `offset` keys of context
+    before the chunk), then `pad` padding queries (position -1: no keys)."""
+    starts, positions, at = [], [], 0
+    for i, n in enumerate(lengths):
+        first = offset if i == 0 else 0
+        starts += [at] * n
+        positions += list(range(first, first + n))
+        at += first + n
+    return torch.tensor(starts + [0] * pad), torch.tensor(positions + [-1] * pad)
+
+
+@pytest.mark.parametrize("H,D,Dv,lengths,pad,offset,C,scale", [
+    (4, 48, 32, [256], 0, 0, 256, 0.144),              # the demo model's chunk: one causal prompt
+    (4, 48, 32, [256], 0, 256, 512, 0.144),            # the second chunk of a prompt: 256 keys before it
+    (3, 19, 13, [100, 50, 70], 36, 0, 256, 0.2),       # three prompts packed, padding; widths no multiple of 8
+    (5, 192, 128, [37], 0, 200, 300, 0.07),            # one query block, context past the last key
+    (2, 8, 16, [1, 130, 3], 2, 5, 160, 10.0),          # spreads far past the vectorised exp's clamp
+])
+def test_prefill_attention_matches(H, D, Dv, lengths, pad, offset, C, scale):
+    """The CPU prefill attention op against float64: the torch form (any machine), then the kernel, the op, and
+    the op's torch path for other dtypes where the kernels build. Each query sees keys starts .. starts + position
+    only (its own sequence, causally); a padding query sees none and gets zeros."""
+    g = torch.Generator().manual_seed(H * D + C)
+    starts, positions = _packed(lengths, pad, offset)
+    T = len(starts)
+    q, k, v = torch.randn(T, H, D, generator=g), torch.randn(C, H, D, generator=g), torch.randn(C, H, Dv, generator=g)
+    ref = _prefill_reference(q, k, v, starts, positions, scale)
+
+    def check(o):
+        assert o.dtype == torch.float32 and o.shape == (T, H, Dv)
+        torch.testing.assert_close(o.double(), ref, rtol=1e-5, atol=1e-5)
+        if pad:
+            assert torch.count_nonzero(o[-pad:]) == 0
+
+    check(ops.prefill_attention_torch(q, k, v, starts, positions, scale))
+    _kernels_or_skip()
+    check(torch.ops.deepinfer_cpu.prefill_attention(q, k, v, starts, positions, scale))
+    check(torch.ops.deepinfer.prefill_attention(q, k, v, starts, positions, scale))
+    check(torch.ops.deepinfer.prefill_attention(q.double(), k.double(), v.double(), starts, positions, scale).float())
