@@ -138,7 +138,9 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     path on the widened rows where the CPU has no bf16 dot products). The CPU kernel as one group for up to
     KERNEL_MAX_ROWS_PER_GROUP rows (1.3-1.9x faster than MKL's (w @ x.T).T at 4-16 rows on the `mid` model's
     projections, head and MLP; 1.25x on the demo model's head at 16 rows), and for more where its AVX-512 form
-    runs (1.05-1.15x MKL at 256 rows); (w @ x.T).T for a few rows and F.linear for more elsewhere. On CUDA (the
+    runs (1.05-1.15x MKL at 256 rows) or its AVX2 panel form does (K a multiple of 8; 1.0-1.5x MKL at 65-512 rows,
+    bf16 weights read as they are instead of widened first); (w @ x.T).T for a few rows and F.linear for more
+    elsewhere. On CUDA (the
     cuda backend's decode-sized bf16 linears, rewritten to this op at load): cuBLAS or the Triton skinny GEMM,
     whichever measured faster for the shape (runtime/cuda_kernels.py `linear_for`)."""
     if x.is_cuda:     # the cuda backend's decode-sized linears (runtime/artifact.py `skinny_linears`)
@@ -147,7 +149,8 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return cuda_kernels.linear_for(x, w)(x, w)
         return torch.nn.functional.linear(x, w.to(x.dtype))
     few = x.shape[0] <= KERNEL_MAX_ROWS_PER_GROUP
-    if _kernel_runs(x, w) and (few or torch.ops.deepinfer_cpu.avx512_form()):
+    if _kernel_runs(x, w) and (few or torch.ops.deepinfer_cpu.avx512_form()
+                               or (x.shape[1] % 8 == 0 and torch.ops.deepinfer_cpu.panel_form())):
         offs = torch.full((1,), x.shape[0], dtype=torch.int32)
         return torch.ops.deepinfer_cpu.grouped_rows_mm(x, w[None], offs)
     return rows_linear_torch(x, w)

@@ -658,6 +658,12 @@ def test_rows_linear_with_and_without_the_kernel():
     half = torch.ops.deepinfer.rows_linear(x.bfloat16(), w.bfloat16())
     assert half.dtype == torch.bfloat16 and half.is_contiguous()
     torch.testing.assert_close(half.float(), x @ w.T, rtol=5e-2, atol=0.3)
+    # A prefill chunk's rows (more than a group of the kernel's few-row form; K a multiple of 8: the AVX2 panel
+    # form where it runs), fp32 and bf16 weights (read as they are, no widened copy).
+    x, w = torch.randn(200, 72, generator=g), torch.randn(40, 72, generator=g)
+    torch.testing.assert_close(torch.ops.deepinfer.rows_linear(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
+    wb = w.bfloat16()
+    torch.testing.assert_close(torch.ops.deepinfer.rows_linear(x, wb), x @ wb.float().T, rtol=1e-5, atol=1e-4)
 
 
 def _paged_reference(q, kv, tables, valid, L, scale):
