@@ -107,8 +107,8 @@ at::Tensor prefill_attention(const at::Tensor& q_, const at::Tensor& k_, const a
               "prefill_attention: q [", T, ", ", H, ", ", D, "] needs k [C, ", H, ", ", D, "] and v [C, ", H, ", Dv]");
   TORCH_CHECK(starts.size(0) == T && positions.size(0) == T, "prefill_attention: starts and positions need ", T, " rows");
   TORCH_CHECK(H * std::max(D, Dv) <= INT32_MAX && C <= INT32_MAX, "prefill_attention: sizes beyond the BLAS's int");
-  at::Tensor o = at::zeros({T, H, Dv}, q.options());
-  if (H == 0 || T == 0 || C == 0) return o;
+  at::Tensor o = at::empty({T, H, Dv}, q.options());
+  if (H == 0 || T == 0 || C == 0) return o.zero_();
 
   // Each query's keys: one span [lo, hi) of the context (empty for a padding query).
   std::vector<int64_t> lo(T), hi(T);
@@ -128,9 +128,11 @@ at::Tensor prefill_attention(const at::Tensor& q_, const at::Tensor& k_, const a
       blo[t / QB] = std::min(blo[t / QB], lo[t]);
       bhi[t / QB] = std::max(bhi[t / QB], hi[t]);
     }
-  std::vector<int64_t> order;
-  for (int64_t b = 0; b < NQ; ++b)
+  std::vector<int64_t> order;          // blocks with keys; the others (padding only) are zeros
+  for (int64_t b = 0; b < NQ; ++b) {
     if (bhi[b] > blo[b]) order.push_back(b);
+    else o.narrow(0, b * QB, std::min(T, (b + 1) * QB) - b * QB).zero_();
+  }
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return bhi[x] - blo[x] > bhi[y] - blo[y]; });
   const int64_t tasks = static_cast<int64_t>(order.size()) * H;
   std::atomic<int64_t> next{0};

@@ -738,6 +738,7 @@ def _packed(lengths: list[int], pad: int, offset: int = 0) -> tuple[torch.Tensor
     (3, 19, 13, [100, 50, 70], 36, 0, 256, 0.2),       # three prompts packed, padding; widths no multiple of 8
     (5, 192, 128, [37], 0, 200, 300, 0.07),            # one query block, context past the last key
     (2, 8, 16, [1, 130, 3], 2, 5, 160, 10.0),          # spreads far past the vectorised exp's clamp
+    (2, 16, 8, [10], 120, 0, 64, 0.25),                # whole query blocks of padding
 ])
 def test_prefill_attention_matches(H, D, Dv, lengths, pad, offset, C, scale):
     """The CPU prefill attention op against float64: the torch form (any machine), then the kernel, the op, and
