@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..common.errors import RequestError
+from ..common.errors import ArtifactError, RequestError
 from ..common.manifest import Manifest
 from .artifact import Artifact, check_device, load_graph, load_weights, open_artifact, verify_files
 from .model_runner import ModelRunner, RegionTimer, build_inputs, logit_rows
@@ -55,7 +55,12 @@ class Engine:
             num_blocks=cc.num_kv_blocks, max_waiting=max_waiting, max_prefill_streak=max_prefill_streak,
             prefix_caching=prefix_caching, num_speculative_tokens=num_speculative_tokens,
             prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max))
-        self.eos_ids = set(manifest.model.eos_token_ids)
+        # config.json's end-of-sequence ids and generation_config.json's (what transformers' generate stops at)
+        self.eos_ids = set(manifest.model.eos_token_ids) | set(tokenizer.generation_eos_ids if tokenizer else ())
+        outside = sorted(i for i in self.eos_ids if i >= manifest.model.vocab_size)
+        if outside:
+            raise ArtifactError(f"end-of-sequence ids {outside} are outside the model's vocabulary "
+                                f"[0, {manifest.model.vocab_size}) (the artifact's generation_config.json?)")
         from ..common.manifest import HEAD, PREFILL, graph_name
         names = {g.name for g in manifest.graphs}
         # artifacts compiled before prompt logprobs lack the heads over every row of a prefill chunk

@@ -29,6 +29,7 @@ class Tokenizer:
         self.bos_id = bos_token_id if add_bos else None
         self.chat_template = None        # runtime.chat.ChatTemplate, set by load_tokenizer where the artifact has one
         self.chat_error: str | None = None    # why the artifact's chat template cannot be used
+        self.generation_eos_ids: tuple[int, ...] = ()   # generation_config.json's eos_token_id (load_tokenizer)
         self._renders_tools: bool | None = None
         self._decoders: set[str] | None = None     # the decoder's types (token_bytes), read at first use
 
@@ -212,6 +213,8 @@ def load_tokenizer(root: Path, files: list[str], bos_token_id: int | None) -> To
     cfg = root / "tokenizer/tokenizer_config.json"
     tok = Tokenizer(root / "tokenizer/tokenizer.json", cfg if "tokenizer/tokenizer_config.json" in files else None,
                     bos_token_id)
+    if "tokenizer/generation_config.json" in files:
+        tok.generation_eos_ids = generation_eos_ids(root / "tokenizer/generation_config.json")
     from .chat import load_chat_template
     try:
         tok.chat_template = load_chat_template(root / "tokenizer", {f.removeprefix("tokenizer/") for f in files})
@@ -219,3 +222,21 @@ def load_tokenizer(root: Path, files: list[str], bos_token_id: int | None) -> To
         log.warning("chat is off: %s", e)
         tok.chat_error = str(e)
     return tok
+
+
+def generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an int, a list of ints, or absent): what transformers' generate stops
+    at. A chat model's often differs from config.json's (DeepSeek-V2-Lite-Chat: 100001, the end of a turn)."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ArtifactError(f"{path}: not a JSON object")
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = [eos] if not isinstance(eos, list) else eos
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ArtifactError(f"{path}: eos_token_id={eos!r} must be a token id or a list of them")
+    return tuple(ids)

@@ -181,3 +181,17 @@ def test_tool_calls_stream_as_they_are_generated(tmp_path):
         assert ["".join(d["function"]["arguments"] for d in deltas if d["index"] == k) for k in range(len(calls))] \
             == [c["function"]["arguments"] for c in calls]
         assert len(deltas) > len(calls) + 2           # arguments in pieces, not whole
+
+
+def test_generation_config_eos_token_ids_are_read(tmp_path):
+    from deepinfer.runtime.tokenizer import generation_eos_ids
+    f = tmp_path / "generation_config.json"
+    for value, want in ((1, (1,)), ([1, 100001], (1, 100001)), (None, ())):
+        f.write_text(json.dumps({"bos_token_id": 0, "eos_token_id": value}))
+        assert generation_eos_ids(f) == want
+    f.write_text(json.dumps({"do_sample": True}))
+    assert generation_eos_ids(f) == ()
+    for bad in ('{"eos_token_id": "1"}', '{"eos_token_id": [1, true]}', '{"eos_token_id": -1}', "[1]", "{"):
+        f.write_text(bad)
+        with pytest.raises(ArtifactError, match="generation_config.json"):
+            generation_eos_ids(f)

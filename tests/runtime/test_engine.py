@@ -331,6 +331,22 @@ def test_a_failed_prefill_chunk_fails_its_request_only(engine, monkeypatch):
     assert not engine.has_work
 
 
+def test_generation_config_eos_ids_stop_sequences_too(engine):
+    """generation_config.json's eos_token_id (what transformers' generate stops at; a chat model's end of turn)
+    joins config.json's; an id outside the vocabulary is refused, naming the file to look at."""
+    import copy
+    from deepinfer.common.errors import ArtifactError
+    tok = copy.copy(engine.tokenizer)
+    tok.generation_eos_ids = (77, 78)
+    e = Engine(engine.manifest, engine.runner, tok)
+    assert e.eos_ids == set(engine.manifest.model.eos_token_ids) | {77, 78}
+    s = e.generate(prompts([6], seed=3), SamplingParams(max_tokens=5, logit_bias=((78, 100.0),)))[0]
+    assert s.output_ids == [78] and s.finish_reason == "stop"
+    tok.generation_eos_ids = (engine.manifest.model.vocab_size,)
+    with pytest.raises(ArtifactError, match="outside the model's vocabulary .*generation_config.json"):
+        Engine(engine.manifest, engine.runner, tok)
+
+
 def test_eos_and_stop_strings_finish_a_sequence(engine):
     p = prompts([8], seed=11)[0]
     full = engine.generate([p], GREEDY)[0]
