@@ -242,10 +242,19 @@ class Followers:
                 pass
 
 
+# How long a torchrun follower waits for the leader's next step: a server may sit idle for days. (A rank that dies is
+# torchrun's to notice: its agent stops the others.)
+IDLE_WAIT = timedelta(days=365)
+
+
 class BroadcastChannel:
-    """torchrun / multi-host: the leader broadcasts each step record from rank 0 over the process group."""
+    """torchrun / multi-host: the leader broadcasts each step record from rank 0, over a gloo group of its own whose
+    timeout is IDLE_WAIT: on the default group's (torch's 30 minutes, or DEEPINFER_COLLECTIVE_TIMEOUT), a follower
+    waiting through an idle half hour timed out and took the job down. Every rank makes it, in the same order."""
 
     def __init__(self, manifest: Manifest):
+        import torch.distributed as dist
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
         self.buf = torch.zeros(record_size(manifest), dtype=torch.int64)
         self.step = 0
 
@@ -253,11 +262,11 @@ class BroadcastChannel:
         import torch.distributed as dist
         self.step += 1
         pack(si, self.step, self.buf.numpy())
-        dist.broadcast(self.buf, src=0)
+        dist.broadcast(self.buf, src=0, group=self.group)
 
     def receive(self) -> StepInputs | None:
         import torch.distributed as dist
-        dist.broadcast(self.buf, src=0)
+        dist.broadcast(self.buf, src=0, group=self.group)
         return unpack(self.buf.numpy())[0]
 
     def check(self) -> None:

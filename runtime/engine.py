@@ -8,6 +8,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -120,7 +121,11 @@ class Engine:
         # every host runs as many ranks as it has GPUs)
         device = claim_device(_torchrun_local()[0], 1, device) if device.startswith("cuda") else device
         from .distributed import process_group_backend
-        dist.init_process_group(process_group_backend(device))
+        # the graphs' collectives: torch's default timeout unless DEEPINFER_COLLECTIVE_TIMEOUT says (the step
+        # records go over a group of their own that waits through idle time: BroadcastChannel)
+        limit = os.environ.get("DEEPINFER_COLLECTIVE_TIMEOUT")
+        dist.init_process_group(process_group_backend(device),
+                                **({"timeout": timedelta(seconds=float(limit))} if limit else {}))
         channel = BroadcastChannel(art.manifest)
         if rank != 0:
             run_follower(art.root, rank, world, device, channel.receive)

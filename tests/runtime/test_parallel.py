@@ -219,6 +219,45 @@ def test_torchrun_path_matches(checkpoints, compile_artifact, reference):
     assert [x["token_ids"] for x in lines] == [reference[1][0]]
 
 
+def test_a_torchrun_server_serves_after_idling_past_the_collective_timeout(checkpoints, compile_artifact, reference):
+    """The followers wait for the next step over a group of their own: idle longer than the graphs' collective
+    timeout (here 3 s; torch's default 30 minutes), the server still answers, with the single-rank tokens."""
+    import httpx
+    from ports import free_port
+    art = compile_artifact(checkpoints["base"], cp=2, ep=2)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), "-m", "deepinfer", "run", str(art), "--port", str(port)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "DEEPINFER_COLLECTIVE_TIMEOUT": "3"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+            assert proc.poll() is None, proc.stdout.read()
+        else:
+            pytest.fail("the torchrun server did not start")
+        time.sleep(7)                                  # idle past the 3 s timeout
+        r = httpx.post(base + "/v1/completions", timeout=120, json={
+            "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert proc.poll() is None
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(art / "tokenizer" / "tokenizer.json"))
+        assert r.json()["choices"][0]["text"] == tok.decode(reference[1][0])
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def test_drafting_on_a_parallel_layout_matches_single_rank(checkpoints, compile_artifact):
     """Speculative drafts on cp=2 x ep=2: the followers run the same multi-token decode steps, the leader
     verifies; greedy tokens equal the plain single-rank engine's."""
