@@ -46,6 +46,12 @@ def record_size(m: Manifest) -> int:
     return _HEADER + 4 * T + T * B + T
 
 
+def record_length(header: np.ndarray) -> int:
+    """int64 slots a step record fills, from its header (what the step needs, not the largest record)."""
+    kind, T, _, R, B, L = (int(x) for x in header[:6])
+    return _HEADER if kind == _STOP else _HEADER + 4 * T + R * B + L
+
+
 def pack(si: StepInputs | None, step: int, out: np.ndarray) -> None:
     if si is None:
         out[:_HEADER] = [_STOP, 0, 0, 0, 0, 0, 0, step]
@@ -259,15 +265,22 @@ class BroadcastChannel:
         self.step = 0
 
     def publish(self, si: StepInputs | None) -> None:
-        import torch.distributed as dist
         self.step += 1
         pack(si, self.step, self.buf.numpy())
-        dist.broadcast(self.buf, src=0, group=self.group)
+        self._transfer()
 
     def receive(self) -> StepInputs | None:
-        import torch.distributed as dist
-        dist.broadcast(self.buf, src=0, group=self.group)
+        self._transfer()
         return unpack(self.buf.numpy())[0]
+
+    def _transfer(self) -> None:
+        """The header, then only the slots this step fills: the buffer holds the largest record the artifact can
+        make (a 671B artifact's: tens of MB of block tables), a decode step's is a few KB."""
+        import torch.distributed as dist
+        dist.broadcast(self.buf[:_HEADER], src=0, group=self.group)
+        n = record_length(self.buf.numpy())
+        if n > _HEADER:
+            dist.broadcast(self.buf[_HEADER:n], src=0, group=self.group)
 
     def check(self) -> None:
         pass

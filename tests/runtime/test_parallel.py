@@ -219,6 +219,31 @@ def test_torchrun_path_matches(checkpoints, compile_artifact, reference):
     assert [x["token_ids"] for x in lines] == [reference[1][0]]
 
 
+def test_a_step_record_travels_as_its_header_and_the_slots_it_fills():
+    """torchrun sends a record's header, then record_length(header) slots: enough to rebuild the step exactly,
+    and a decode step's few slots, not the largest record the artifact allows."""
+    import numpy as np
+    from deepinfer.runtime import distributed as D
+    from deepinfer.runtime.model_runner import StepInputs
+    g = np.random.default_rng(0)
+    si = StepInputs("prefill", 6, 64, g.integers(0, 99, 6), np.arange(6), g.integers(0, 99, 6),
+                    g.integers(0, 9, (2, 4)), np.array([2, 5]), 2, np.array([0, 0, 0, 3, 3, 3]))
+    sent = np.full(4096, -7, dtype=np.int64)
+    D.pack(si, 11, sent)
+    n = D.record_length(sent)
+    assert n == 8 + 4 * 6 + 2 * 4 + 2
+    got = np.zeros_like(sent)
+    got[:n] = sent[:n]                                 # what arrives: nothing past n
+    out, step = D.unpack(got)
+    assert step == 11 and (out.kind, out.tokens, out.context, out.num_logits) == ("prefill", 6, 64, 2)
+    for a, b in ((out.token_ids, si.token_ids), (out.positions, si.positions), (out.slot_mapping, si.slot_mapping),
+                 (out.block_tables, si.block_tables), (out.logit_indices, si.logit_indices),
+                 (out.context_starts, si.context_starts)):
+        assert np.array_equal(a, b)
+    D.pack(None, 12, sent)
+    assert D.record_length(sent) == 8 and D.unpack(sent) == (None, 12)
+
+
 def test_a_torchrun_server_serves_after_idling_past_the_collective_timeout(checkpoints, compile_artifact, reference):
     """The followers wait for the next step over a group of their own: idle longer than the graphs' collective
     timeout (here 3 s; torch's default 30 minutes), the server still answers, with the single-rank tokens."""
