@@ -93,6 +93,30 @@ def init_process_group(rank: int, world: int, device: str, addr: str, port: int,
                             timeout=timedelta(seconds=timeout_s))
 
 
+def join_process_group(followers: "Followers", device: str, timeout_s: float) -> None:
+    """The leader's init_process_group, watching the followers meanwhile: one that dies before it joins fails the
+    start at once, naming its rank (the rendezvous alone waits out its timeout, then blames the store). The
+    abandoned rendezvous thread waits out its timeout; a failed start leaves torch.distributed unable to start
+    another group in this process either way (its group counter has moved on), so the process is done."""
+    done = threading.Event()
+    error: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            init_process_group(0, followers.world, device, "127.0.0.1", followers.port, timeout_s)
+        except BaseException as e:     # noqa: BLE001  handed to the caller
+            error.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=join, name="deepinfer-rendezvous", daemon=True).start()
+    while not done.wait(0.1):
+        if followers.failure is not None:
+            raise followers.failure
+    if error:
+        raise followers.failure or error[0]
+
+
 def process_group_backend(device: str) -> str:
     """NCCL for the graphs' collectives on GPUs, and gloo beside it for CPU tensors (torchrun's step record,
     a CPU buffer broadcast each step: NCCL alone has no CPU backend and refused it)."""

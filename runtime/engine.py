@@ -96,11 +96,11 @@ class Engine:
             return cls(art.manifest, make_runner(art, rank=0, device=device, timing=timing), tok, **kw)
         if torchrun is not None:
             return cls._torchrun_leader(art, tok, device, timing, torchrun, **kw)
-        from .distributed import Followers, claim_device, init_process_group
+        from .distributed import Followers, claim_device, join_process_group
         followers = Followers(art.root, art.manifest, device, collective_timeout=collective_timeout)
         try:
             device = claim_device(0, world, device)
-            init_process_group(0, world, device, "127.0.0.1", followers.port, collective_timeout)
+            join_process_group(followers, device, collective_timeout)
             runner = make_runner(art, rank=0, device=device, timing=timing)
             followers.wait_ready()
         except BaseException:

@@ -219,6 +219,22 @@ def test_torchrun_path_matches(checkpoints, compile_artifact, reference):
     assert [x["token_ids"] for x in lines] == [reference[1][0]]
 
 
+def test_a_follower_dying_before_the_rendezvous_is_named_at_once(checkpoints, compile_artifact, tmp_path):
+    """A follower that dies before it joins the process group fails the start within the monitor's poll, naming its
+    rank (the rendezvous alone waited out its 60 s timeout, then blamed the store). In a process of its own: a
+    failed start leaves torch.distributed unable to start another group in that process."""
+    art = compile_artifact(checkpoints["base"], cp=2, ep=2)
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('DEEPINFER_LOCAL_RANK') == '1':\n    os._exit(3)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    t = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "deepinfer", "run", str(art), "--prompt-ids", "1,2,3"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert time.monotonic() - t < 40
+    assert out.returncode == 2 and "follower rank 1 exited with code 3" in out.stderr, out.stderr[-3000:]
+
+
 def test_a_step_record_travels_as_its_header_and_the_slots_it_fills():
     """torchrun sends a record's header, then record_length(header) slots: enough to rebuild the step exactly,
     and a decode step's few slots, not the largest record the artifact allows."""
