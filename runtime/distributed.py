@@ -14,6 +14,7 @@ kills the other followers and never leaves orphans (followers also die with thei
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import select
 import signal
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..common.errors import RankFailure
+from ..common.errors import OptionError, RankFailure
 from ..common.manifest import DECODE, PREFILL, Manifest
 from .model_runner import StepInputs
 
@@ -91,6 +92,21 @@ def init_process_group(rank: int, world: int, device: str, addr: str, port: int,
     import torch.distributed as dist
     dist.init_process_group(process_group_backend(device), init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
+
+
+def collective_timeout_env(default: float | None) -> float | None:
+    """DEEPINFER_COLLECTIVE_TIMEOUT in seconds (`default` where unset); anything but a positive number is refused
+    naming the variable (it reached float() bare)."""
+    raw = os.environ.get("DEEPINFER_COLLECTIVE_TIMEOUT", "")
+    if not raw.strip():
+        return default
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise OptionError(f"DEEPINFER_COLLECTIVE_TIMEOUT={raw!r} is not a positive number of seconds")
+    return seconds
 
 
 def join_process_group(followers: "Followers", device: str, timeout_s: float) -> None:
@@ -372,8 +388,7 @@ def follower_main() -> None:
     shm = shared_memory.SharedMemory(name=os.environ["DEEPINFER_SHM"])
     _untrack(shm)
     record = np.ndarray((shm.size // 8,), dtype=np.int64, buffer=shm.buf)
-    init_process_group(rank, world, device, addr, int(port),
-                       float(os.environ.get("DEEPINFER_COLLECTIVE_TIMEOUT", "60")))
+    init_process_group(rank, world, device, addr, int(port), collective_timeout_env(60.0))
 
     def ack() -> None:
         os.write(ack_fd, b"a")

@@ -120,12 +120,12 @@ class Engine:
         # this host's GPU of this rank: torchrun's LOCAL_RANK (the global rank modulo the GPU count only where
         # every host runs as many ranks as it has GPUs)
         device = claim_device(_torchrun_local()[0], 1, device) if device.startswith("cuda") else device
-        from .distributed import process_group_backend
+        from .distributed import collective_timeout_env, process_group_backend
         # the graphs' collectives: torch's default timeout unless DEEPINFER_COLLECTIVE_TIMEOUT says (the step
         # records go over a group of their own that waits through idle time: BroadcastChannel)
-        limit = os.environ.get("DEEPINFER_COLLECTIVE_TIMEOUT")
+        limit = collective_timeout_env(None)
         dist.init_process_group(process_group_backend(device),
-                                **({"timeout": timedelta(seconds=float(limit))} if limit else {}))
+                                **({"timeout": timedelta(seconds=limit)} if limit else {}))
         channel = BroadcastChannel(art.manifest)
         if rank != 0:
             run_follower(art.root, rank, world, device, channel.receive)

@@ -40,7 +40,12 @@ using sgemm_fn = void (*)(const char*, const char*, const int*, const int*, cons
                           const int*, const float*, const int*, const float*, float*, const int*);
 
 sgemm_fn blas_sgemm() {
-  static const sgemm_fn f = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "sgemm_"));
+  static const sgemm_fn f = [] {
+    void* sym = dlsym(RTLD_DEFAULT, "sgemm_");
+    if (sym == nullptr)                 // torch's library loaded without its symbols in the global scope
+      if (void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD)) sym = dlsym(lib, "sgemm_");
+    return reinterpret_cast<sgemm_fn>(sym);
+  }();
   return f;
 }
 
@@ -91,6 +96,21 @@ void softmax_span(float* s, int64_t n, int64_t a, int64_t b, float scale) {
   std::fill(s + b, s + n, 0.f);
 }
 
+// The torch form (masked scores over the whole context, softmax): other dtypes, and where no BLAS sgemm was found.
+at::Tensor torch_form(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& starts,
+                      const at::Tensor& positions, double scale) {
+  const at::Tensor key = at::arange(k.size(0), starts.options().dtype(at::kLong));
+  const at::Tensor rel = key.unsqueeze(0) - starts.to(at::kLong).unsqueeze(1);
+  const at::Tensor valid = rel.ge(0).logical_and(rel.le(positions.to(at::kLong).unsqueeze(1)));     // [T, C]
+  at::Tensor scores = at::matmul(q.transpose(0, 1), k.permute({1, 2, 0})).to(at::kFloat).mul(scale);  // [H, T, C]
+  scores.masked_fill_(valid.logical_not().unsqueeze(0), -std::numeric_limits<double>::infinity());
+  at::Tensor mx = std::get<0>(scores.max(-1, true));
+  mx = at::where(at::isfinite(mx), mx, at::zeros_like(mx));
+  const at::Tensor e = at::exp(scores - mx), denom = e.sum(-1, true);
+  const at::Tensor o = at::matmul(e.to(v.scalar_type()), v.transpose(0, 1)).to(at::kFloat) / denom.clamp_min(1e-30);
+  return o.transpose(0, 1).contiguous();                                                      // [T, H, Dv]
+}
+
 at::Tensor prefill_attention(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& starts_,
                              const at::Tensor& positions_, double scale) {
   TORCH_CHECK(q_.device().is_cpu() && k_.device().is_cpu() && v_.device().is_cpu(), "prefill_attention: CPU tensors only");
@@ -99,7 +119,7 @@ at::Tensor prefill_attention(const at::Tensor& q_, const at::Tensor& k_, const a
   TORCH_CHECK(q_.dim() == 3 && k_.dim() == 3 && v_.dim() == 3 && starts_.dim() == 1 && positions_.dim() == 1,
               "prefill_attention: q [T, H, D], k [C, H, D], v [C, H, Dv], starts [T], positions [T]");
   const sgemm_fn gemm = blas_sgemm();
-  TORCH_CHECK(gemm != nullptr, "prefill_attention: no BLAS sgemm in this process");
+  if (gemm == nullptr) return torch_form(q_, k_, v_, starts_, positions_, scale);
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const at::Tensor starts = starts_.to(at::kLong).contiguous(), positions = positions_.to(at::kLong).contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), C = k.size(0), Dv = v.size(2);
@@ -172,23 +192,12 @@ at::Tensor prefill_attention(const at::Tensor& q_, const at::Tensor& k_, const a
   return o;
 }
 
-// deepinfer::prefill_attention on CPU: the kernel for fp32 where the BLAS was found; else the torch form (masked
-// scores over the whole context, softmax).
+// deepinfer::prefill_attention on CPU: the kernel for fp32, the torch form for other dtypes.
 at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& starts,
                                  const at::Tensor& positions, double scale) {
-  if (q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-      blas_sgemm() != nullptr)
+  if (q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat)
     return prefill_attention(q, k, v, starts, positions, scale);
-  const at::Tensor key = at::arange(k.size(0), starts.options().dtype(at::kLong));
-  const at::Tensor rel = key.unsqueeze(0) - starts.to(at::kLong).unsqueeze(1);
-  const at::Tensor valid = rel.ge(0).logical_and(rel.le(positions.to(at::kLong).unsqueeze(1)));     // [T, C]
-  at::Tensor scores = at::matmul(q.transpose(0, 1), k.permute({1, 2, 0})).to(at::kFloat).mul(scale);  // [H, T, C]
-  scores.masked_fill_(valid.logical_not().unsqueeze(0), -std::numeric_limits<double>::infinity());
-  at::Tensor mx = std::get<0>(scores.max(-1, true));
-  mx = at::where(at::isfinite(mx), mx, at::zeros_like(mx));
-  const at::Tensor e = at::exp(scores - mx), denom = e.sum(-1, true);
-  const at::Tensor o = at::matmul(e.to(v.scalar_type()), v.transpose(0, 1)).to(at::kFloat) / denom.clamp_min(1e-30);
-  return o.transpose(0, 1).contiguous();                                                      // [T, H, Dv]
+  return torch_form(q, k, v, starts, positions, scale);
 }
 
 }  // namespace

@@ -235,6 +235,19 @@ def test_a_follower_dying_before_the_rendezvous_is_named_at_once(checkpoints, co
     assert out.returncode == 2 and "follower rank 1 exited with code 3" in out.stderr, out.stderr[-3000:]
 
 
+def test_the_collective_timeout_variable_is_checked(monkeypatch):
+    from deepinfer.common.errors import OptionError
+    from deepinfer.runtime.distributed import collective_timeout_env
+    monkeypatch.delenv("DEEPINFER_COLLECTIVE_TIMEOUT", raising=False)
+    assert collective_timeout_env(60.0) == 60.0 and collective_timeout_env(None) is None
+    monkeypatch.setenv("DEEPINFER_COLLECTIVE_TIMEOUT", "2.5")
+    assert collective_timeout_env(60.0) == 2.5
+    for bad in ("ten", "0", "-3", "nan", "inf"):
+        monkeypatch.setenv("DEEPINFER_COLLECTIVE_TIMEOUT", bad)
+        with pytest.raises(OptionError, match="DEEPINFER_COLLECTIVE_TIMEOUT"):
+            collective_timeout_env(60.0)
+
+
 def test_a_step_record_travels_as_its_header_and_the_slots_it_fills():
     """torchrun sends a record's header, then record_length(header) slots: enough to rebuild the step exactly,
     and a decode step's few slots, not the largest record the artifact allows."""
