@@ -47,10 +47,16 @@ def record_size(m: Manifest) -> int:
     return _HEADER + 4 * T + T * B + T
 
 
+def _part_sizes(T: int, R: int, B: int, L: int) -> tuple[int, ...]:
+    """Slots of a record's arrays after its header, in order: token ids, positions, slots, block tables [R, B],
+    logit indices, context starts."""
+    return T, T, T, R * B, L, T
+
+
 def record_length(header: np.ndarray) -> int:
     """int64 slots a step record fills, from its header (what the step needs, not the largest record)."""
     kind, T, _, R, B, L = (int(x) for x in header[:6])
-    return _HEADER if kind == _STOP else _HEADER + 4 * T + R * B + L
+    return _HEADER if kind == _STOP else _HEADER + sum(_part_sizes(T, R, B, L))
 
 
 def pack(si: StepInputs | None, step: int, out: np.ndarray) -> None:
@@ -74,7 +80,7 @@ def unpack(buf: np.ndarray) -> tuple[StepInputs | None, int]:
         return None, step
     o = _HEADER
     parts = []
-    for size in (T, T, T, R * B, L, T):
+    for size in _part_sizes(T, R, B, L):
         parts.append(buf[o:o + size].copy())
         o += size
     tok, pos, slots, tables, logit_idx, starts = parts
