@@ -168,24 +168,24 @@ def linear(spec: RegionSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     streaming the weight (weights 0.5-64 MB, out of cache: 19-25 GB/s where MKL reads 13-18), and from
     ROWS_LINEAR_MIN_WEIGHT elements up `deepinfer::rows_linear`, whose kernel prefetches the weight ahead of its
     reads (a 2-core AMX Xeon VM: the `mid` head in bf16 1.17-1.42 against 1.78 ms, 24-29 against 19 GB/s;
-    fp32 2.27-2.46 against 2.61-3.01 ms, the AVX2 form included). 2..M rows:
-    (w @ x.T).T, the few rows becoming the narrow side (1.3-3x faster at M = 4..64); from ROWS_LINEAR_MIN_WEIGHT
-    weight elements up, `deepinfer::rows_linear`, the hand-written kernel where it runs (1.3-1.9x faster again).
-    More rows (prefill chunks): F.linear, or from ROWS_LINEAR_MIN_WEIGHT up `rows_linear` too, which takes the
-    kernel where its AVX-512 form runs (1.05-1.15x MKL at 256 rows, and bf16 weights widen in registers instead
-    of in a copy) and MKL's F.linear elsewhere. On the `mid` benchmark model (2 threads):
-    decode at batch 1 26-29 -> 18-19 ms/token, at batch 16 the dense layer 11.3 -> 7.3 ms and the head
-    19.2 -> 11.4 ms (before rows_linear)."""
+    fp32 2.27-2.46 against 2.61-3.01 ms, the AVX2 form included). 2..M rows, any weight: `rows_linear` too, the
+    hand-written kernel where it runs: 1.3-1.9x MKL's (w @ x.T).T on the `mid` model's projections, head and
+    MLP, and 1.2-2.9x at the demo model's small weights (2-32 rows; bf16 weights read as they are, where MKL
+    needs them widened first by a copy kernel). Small weights took (w @ x.T).T here while the op's call cost
+    tens of microseconds (its Python body); with its C++ implementation all of them through the op made the demo
+    model's 16-sequence decode step 1.07-1.23x faster (8 interleaved rounds, one process). More rows (prefill
+    chunks): F.linear, or from ROWS_LINEAR_MIN_WEIGHT up `rows_linear` too, which takes the kernel where its
+    AVX-512 form runs (1.05-1.15x MKL at 256 rows, and bf16 weights widen in registers instead of in a copy) and
+    MKL's F.linear elsewhere. On the `mid` benchmark model (2 threads): decode at batch 1 26-29 -> 18-19
+    ms/token, at batch 16 the dense layer 11.3 -> 7.3 ms and the head 19.2 -> 11.4 ms (before rows_linear)."""
     if x.shape[0] == 1 and spec.small_gemm_rows:
         if w.numel() >= ROWS_LINEAR_MIN_WEIGHT:
             return torch.ops.deepinfer.rows_linear(x, w)
         return (as_compute(w, x) * x).sum(-1)[None]
     if spec.bf16_products and x.shape[0] > 1 and w.dtype == torch.bfloat16:
         return bf16_linear(spec, x, w)
-    if spec.small_gemm_rows and w.numel() >= ROWS_LINEAR_MIN_WEIGHT:
+    if spec.small_gemm_rows and (x.shape[0] <= spec.small_gemm_rows or w.numel() >= ROWS_LINEAR_MIN_WEIGHT):
         return torch.ops.deepinfer.rows_linear(x, w)
-    if 1 < x.shape[0] <= spec.small_gemm_rows:
-        return (as_compute(w, x) @ x.t()).t()
     return F.linear(x, as_compute(w, x))
 
 
@@ -204,8 +204,9 @@ def bf16_linear(spec: RegionSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Ten
     return F.linear(xb, w).to(x.dtype)
 
 
-# From this many weight elements up, a CPU few-row linear goes to `deepinfer::rows_linear` (the hand-written
-# kernel, runtime/ops.py); below it the op's call overhead (tens of microseconds) outweighs the gain.
+# From this many weight elements up, a CPU one-row linear, and a prefill chunk's, goes to `deepinfer::rows_linear`
+# (the hand-written kernel, runtime/ops.py); below it a one-row product fused into Inductor's kernels (no call at
+# all) is as fast, and a chunk's MKL GEMM is.
 ROWS_LINEAR_MIN_WEIGHT = 1 << 18
 
 

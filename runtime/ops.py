@@ -132,17 +132,16 @@ def _(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("deepinfer::rows_linear", mutates_args=())
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) for rows x [M, K] and a big weight w [N, K]: what CPU graphs call for any rows of a weight
-    of at least ROWS_LINEAR_MIN_WEIGHT elements (`compile.model.linear`), and for every bf16 product of
-    --matmul-dtype bfloat16 (bf16 x and w: the C++ implementation picks the kernel, oneDNN's bf16 GEMM, or the fp32
-    path on the widened rows where the CPU has no bf16 dot products). The CPU kernel as one group for up to
-    KERNEL_MAX_ROWS_PER_GROUP rows (1.3-1.9x faster than MKL's (w @ x.T).T at 4-16 rows on the `mid` model's
-    projections, head and MLP; 1.25x on the demo model's head at 16 rows), and for more where its AVX-512 form
-    runs (1.05-1.15x MKL at 256 rows) or its AVX2 panel form does (K a multiple of 8; 1.0-1.5x MKL at 65-512 rows,
-    bf16 weights read as they are instead of widened first); (w @ x.T).T for a few rows and F.linear for more
-    elsewhere. On CUDA (the
-    cuda backend's decode-sized bf16 linears, rewritten to this op at load): cuBLAS or the Triton skinny GEMM,
-    whichever measured faster for the shape (runtime/cuda_kernels.py `linear_for`)."""
+    """F.linear(x, w) for rows x [M, K] and a weight w [N, K]: what CPU graphs call for 2..64 rows of any weight, for
+    any rows of a weight of at least ROWS_LINEAR_MIN_WEIGHT elements (`compile.model.linear`), and for every bf16
+    product of --matmul-dtype bfloat16 (bf16 x and w: the C++ implementation picks the kernel, oneDNN's bf16 GEMM,
+    or the fp32 path on the widened rows where the CPU has no bf16 dot products). The CPU kernel as one group for up
+    to KERNEL_MAX_ROWS_PER_GROUP rows (1.3-1.9x faster than MKL's (w @ x.T).T at 4-16 rows on the `mid` model's
+    projections, head and MLP; 1.25x on the demo model's head at 16 rows), and for more where its AVX-512 form runs
+    (1.05-1.15x MKL at 256 rows) or its AVX2 panel form does (K a multiple of 8; 1.0-1.5x MKL at 65-512 rows, bf16
+    weights read as they are instead of widened first); (w @ x.T).T for a few rows and F.linear for more elsewhere.
+    On CUDA (the cuda backend's decode-sized bf16 linears, rewritten to this op at load): cuBLAS or the Triton
+    skinny GEMM, whichever measured faster for the shape (runtime/cuda_kernels.py `linear_for`)."""
     if x.is_cuda:     # the cuda backend's decode-sized linears (runtime/artifact.py `skinny_linears`)
         from . import cuda_kernels
         if cuda_kernels.skinny_available(x, w):
