@@ -239,13 +239,16 @@ def kernel_isa(request):
     torch.ops.deepinfer_cpu.avx512_form(True)
 
 
-@pytest.fixture(params=[True, False], ids=["panels", "tiles"])
+@pytest.fixture(params=["xpanels", "panels", "tiles"])
 def panel_form(request):
-    """The AVX2 kernel's groups of 12+ rows: transposed panels (the default) or the dot-product tiles."""
+    """The AVX2 kernel's groups of 12+ rows: transposed panels of weights (the default), with groups of 14-16 rows
+    transposed themselves instead (the default too: "xpanels"), or the dot-product tiles for all."""
     _kernels_or_skip()
-    torch.ops.deepinfer_cpu.panel_form(request.param)
+    torch.ops.deepinfer_cpu.panel_form(request.param != "tiles")
+    torch.ops.deepinfer_cpu.xpanel_form(request.param == "xpanels")
     yield request.param
     torch.ops.deepinfer_cpu.panel_form(True)
+    torch.ops.deepinfer_cpu.xpanel_form(True)
 
 
 @pytest.mark.parametrize("K,N", [(64, 48), (67, 100), (5, 7), (1030, 9), (1024, 20), (4100, 30), (512, 100)])
@@ -254,12 +257,13 @@ def panel_form(request):
 def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype, kernel_isa, panel_form):
     """The CPU few-rows kernel against per-group matmuls in float64, in all its forms: groups of 0-40 rows
     (register tiles of 4 rows x 3 weight rows (AVX2) and 6 rows x 4 weight rows (AVX-512), with every remainder;
-    on AVX2 groups of 12+ rows with K a multiple of 8 in 16-weight-row panels, N = 20 and 100 leaving part-panels;
+    on AVX2 groups of 12+ rows with K a multiple of 8 in 16-weight-row panels, N = 20 and 100 leaving part-panels,
+    and groups of 14-16 rows transposed (tiles of 6 and 4 weight rows, odd K leaving a bf16 pair's tail);
     at K = 4100 the AVX-512 form's L2 blocks: 12 weight rows a task, 18 rows a block), K not a multiple of the
     vector width, rows 4 KB long (K = 1024: the AVX-512 form reads them from a copy with a longer stride), rows
     in no group; fp32 weights and bf16 ones (widened exactly: the reference is the same bf16 values in float64)."""
     g = torch.Generator().manual_seed(K * N)
-    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7, 11, 12, 13, 17, 40]
+    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7, 11, 12, 13, 14, 16, 17, 40]
     M = sum(sizes) + 2
     x = torch.randn(K, M, generator=g).t()                      # not contiguous
     wt = torch.randn(len(sizes), N, K, generator=g).to(wdtype)
@@ -278,7 +282,7 @@ def test_kernel_tasks_balance_uneven_groups(kernel_isa, panel_form):
     """The threads split the kernel's tasks by work, not by count: groups of very different sizes (one holding
     most rows, empty ones between) give the same sums with one thread and with several."""
     g = torch.Generator().manual_seed(11)
-    sizes = [200, 0, 1, 0, 0, 3, 40, 0]
+    sizes = [200, 0, 1, 0, 16, 3, 40, 0, 15]
     x = torch.randn(sum(sizes) + 5, 96, generator=g)
     wt = torch.randn(len(sizes), 200, 96, generator=g)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
