@@ -335,6 +335,7 @@ void panel_task(const W* w, const float* x, int64_t rows, int64_t K, int64_t N, 
 // 1.0-1.12x. At 12 rows, a quarter of the lanes idle, it ran 0.8-0.97x: 14 rows and up only.
 // DEEPINFER_CPU_XPANEL=0 (or deepinfer_cpu::xpanel_form(False)) leaves those groups to the panel form.
 constexpr int64_t kXPanelMinRows = 14;
+constexpr int64_t kXPanelMaxRows = 16;    // the two 8-lane vectors of an xt row
 std::atomic<bool> g_allow_xpanel{[] {
   const char* v = std::getenv("DEEPINFER_CPU_XPANEL");
   return v == nullptr || std::string(v) != "0";
@@ -351,7 +352,7 @@ inline void pack_rows_t(const float* x, int64_t rows, int64_t K, float* xt) {
 }
 
 template <int NW, typename W>
-void xpanel_tile(const W* w, const float* xt, int64_t K, float* out, int64_t ldo, int rows, int cols) {
+void xpanel_tile(const W* w, const float* xt, int64_t K, float* out, int64_t ldo, int rows) {
   __m256 a0[NW], a1[NW];
 #pragma GCC unroll 8
   for (int i = 0; i < NW; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
@@ -390,7 +391,7 @@ void xpanel_tile(const W* w, const float* xt, int64_t K, float* out, int64_t ldo
     _mm256_store_ps(t[i] + 8, a1[i]);
   }
   for (int r = 0; r < rows; ++r)
-    for (int i = 0; i < cols; ++i) out[r * ldo + i] = t[i][r];
+    for (int i = 0; i < NW; ++i) out[r * ldo + i] = t[i][r];
 }
 
 // Weight rows [n0, n1) of one group's weight w [N, K] against its `rows` (<= 16) rows x -> out (row stride N).
@@ -410,8 +411,8 @@ void xpanel_task(const W* w, const float* x, int64_t rows, int64_t K, int64_t n0
   }
   constexpr int NW = xpanel_nw<W>();
   int64_t n = n0;
-  for (; n + NW <= n1; n += NW) xpanel_tile<NW>(w + n * K, xt, K, out + n, ldo, static_cast<int>(rows), NW);
-  for (; n < n1; ++n) xpanel_tile<1>(w + n * K, xt, K, out + n, ldo, static_cast<int>(rows), 1);
+  for (; n + NW <= n1; n += NW) xpanel_tile<NW>(w + n * K, xt, K, out + n, ldo, static_cast<int>(rows));
+  for (; n < n1; ++n) xpanel_tile<1>(w + n * K, xt, K, out + n, ldo, static_cast<int>(rows));
 }
 
 // The fp32-rows kernel over the groups -> out rows of the groups.
@@ -428,7 +429,7 @@ void grouped_rows_typed(const at::Tensor& x, const at::Tensor& wt, const int64_t
     const W* w = wp + g * N * K;
     const float* xr = xp + r0 * K;
     float* o = outp + r0 * N;
-    if (xpanel && r1 - r0 >= kXPanelMinRows && r1 - r0 <= 16)
+    if (xpanel && r1 - r0 >= kXPanelMinRows && r1 - r0 <= kXPanelMaxRows)
       return xpanel_task(w, xr, r1 - r0, K, n0, n1, o, N, call + g);
     if (panel && r1 - r0 >= kPanelMinRows) return panel_task(w, xr, r1 - r0, K, N, n0, n1, o);
     int64_t n = n0;
