@@ -185,13 +185,18 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
               help="Shortest n-gram the drafts match.")
 @click.option("--prompt-lookup-max", type=click.IntRange(min=1), default=4, show_default=True,
               help="Longest n-gram the drafts match (tried first).")
+@click.option("--overlap/--no-overlap", default=None,
+              help="Overlapped scheduling: launch the next decode step before this one's tokens reach the host "
+                   "(they are fed to it on the device), so the accelerator does not wait while the host "
+                   "detokenizes, checks stops and schedules (default: on for CUDA, off on the CPU, which runs the "
+                   "step itself; env DEEPINFER_OVERLAP=1/0). Outputs are unchanged.")
 @click.option("--warmup/--no-warmup", default=None,
               help="Before serving, run every compiled step shape once (default: on for GPU devices, where graphs "
                    "compile and decode steps are captured at first use; off on the CPU, whose graphs are built).")
 @_errors
 def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos, as_json,
              verify_only, device, host, port, api_key, max_waiting, max_prefill_streak, prefix_caching, threads,
-             served_model_names, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, warmup):
+             served_model_names, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, overlap, warmup):
     """Load a compiled artifact and generate (--prompt) or serve OpenAI-compatible /v1/completions and
     /v1/chat/completions."""
     from .runtime.artifact import open_artifact
@@ -205,7 +210,7 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
         raise click.BadParameter(f"--prompt-lookup-min {prompt_lookup_min} is above --prompt-lookup-max "
                                  f"{prompt_lookup_max}", param_hint="--prompt-lookup-min")
     spec = dict(num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=prompt_lookup_min,
-                prompt_lookup_max=prompt_lookup_max)
+                prompt_lookup_max=prompt_lookup_max, overlap=overlap)      # the engine's step options
     serving = not prompts and not prompt_ids and not verify_only
     _set_threads(threads, serving)
     if verify_only:

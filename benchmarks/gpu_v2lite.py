@@ -323,6 +323,24 @@ def first_logprobs(engine, hf, dev: torch.device, ps: list[list[int]], top: int 
             f"bf16 |d| median {med(theirs_d):.3f}, worst {max(theirs_d):.3f}, argmax {theirs_top}/{n}")
 
 
+def overlap_ab(ours: "Ours", b: int) -> str:
+    """Batch-b TPOT with overlapped scheduling (the engine's default on CUDA: the next decode step launched
+    before this one's tokens reach the host) and without, in turn on the same engine."""
+    eng = ours.engine
+    if not eng.overlap:
+        return "overlapped scheduling: off (DEEPINFER_OVERLAP=0)"
+    chained = eng.num_chained
+    on = ours.tpot(b)
+    chained = eng.num_chained - chained
+    eng.overlap = False
+    try:
+        off = ours.tpot(b)
+    finally:
+        eng.overlap = True
+    return (f"overlapped scheduling, batch-{b} TPOT: {on * 1e3:.2f} ms with it ({chained} steps chained), "
+            f"{off * 1e3:.2f} ms without: {off / on:.2f}x")
+
+
 def kernel_profiles(engine, dev: torch.device, vocab: int, prompt: int, out: Path | None) -> str:
     """torch.profiler's per-kernel device times for a batch-1 and a batch-32 decode step (replayed as CUDA graphs:
     what the TPOT rows run) and one prompt's prefill chunk, written to `out` (one file each); returns a summary."""
@@ -357,6 +375,7 @@ def region_tables(engine, dev: torch.device, vocab: int, prompt: int) -> str:
     from deepinfer.runtime.sequence import SamplingParams
     r = engine.runner
     saved, r.step_graphs = r.step_graphs, None
+    overlap, engine.overlap = engine.overlap, False      # the timing synchronises: steps in turn, host rows kept
     g = torch.Generator().manual_seed(9)
     tables = []
     try:
@@ -365,7 +384,7 @@ def region_tables(engine, dev: torch.device, vocab: int, prompt: int) -> str:
             engine.generate(random_prompts(g, 1, length, vocab), SamplingParams(max_tokens=k, ignore_eos=True))
             tables.append(r.timer.table())
     finally:
-        r.timer, r.step_graphs = None, saved
+        r.timer, r.step_graphs, engine.overlap = None, saved, overlap
     return (f"region timing (batch 1: decode steps without the CUDA graph, then one {prompt}-token prompt):\n"
             + "\n".join(tables))
 
@@ -491,6 +510,13 @@ def main() -> None:
             except Exception as e:
                 traceback.print_exc()
                 notes.append(f"check failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+            print(notes[-1], flush=True)
+            write(lines)
+            try:
+                notes.append(overlap_ab(ours, x))
+            except Exception as e:
+                traceback.print_exc()
+                notes.append(f"overlap A/B failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
             print(notes[-1], flush=True)
             write(lines)
     if not (args.budget_s and time.monotonic() - t0 > args.budget_s):

@@ -79,6 +79,7 @@ class StepGraphs:
                 return self._launched(si)
         g, staged, out = self.graphs[key]
         staged.load(_host_inputs(si))
+        si.feed(staged.views[0])
         g.replay()
         if self.check:
             n = si.num_logits

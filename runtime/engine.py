@@ -18,7 +18,7 @@ from ..common.errors import ArtifactError, RequestError
 from ..common.manifest import Manifest
 from .artifact import Artifact, check_device, load_graph, load_weights, open_artifact, verify_files
 from .model_runner import ModelRunner, RegionTimer, build_inputs, logit_rows
-from .sampler import sample
+from .sampler import sample, sample_on_device
 from .speculative import verify as verify_draft
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
@@ -40,7 +40,8 @@ class StepOutput:
 class Engine:
     def __init__(self, manifest: Manifest, runner: ModelRunner, tokenizer: Tokenizer | None,
                  followers=None, max_waiting: int = 1024, max_prefill_streak: int = 4, prefix_caching: bool = True,
-                 num_speculative_tokens: int = 0, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
+                 num_speculative_tokens: int = 0, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
+                 overlap: bool | None = None):
         self.manifest = manifest
         self.runner = runner
         self.tokenizer = tokenizer
@@ -76,6 +77,21 @@ class Engine:
         self.num_accepted_tokens = 0
         self.host_seconds = 0.0
         self.sampler_seconds = 0.0
+        # Overlapped scheduling: the next decode step is built and launched before this one's tokens reach the
+        # host (`_step_overlapped`). Where it pays: an accelerator that runs a step while the host waits (on by
+        # default for CUDA; the CPU runs the step itself). Not with followers (they would need the tokens), the
+        # region timing (it synchronises) or speculative decoding (drafts need the tokens).
+        asked = overlap
+        if overlap is None:
+            env = os.environ.get(OVERLAP_ENV)
+            overlap = env not in ("0", "") if env is not None else runner.device.type == "cuda"
+        why_not = ("several ranks" if followers is not None else "region timing" if runner.timer is not None
+                   else "speculative decoding" if num_speculative_tokens else None)
+        if asked and why_not:
+            log.warning("overlapped scheduling is off with %s", why_not)
+        self.overlap = bool(overlap) and why_not is None
+        self._inflight: _Launched | None = None    # a chained step launched and not yet read
+        self.num_chained = 0              # steps launched before the tokens of the step before reached the host
 
     @classmethod
     def from_artifact(cls, path: str | Path, device: str = "cpu", verify: bool = True, timing: bool = False,
@@ -271,10 +287,14 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Run a step and return its outputs. Overlapped: return the outputs of one step after launching the
+        next, where it can be chained to it."""
+        if self.overlap:
+            return self._step_overlapped()
         t0 = time.perf_counter()
         self.current_step = None
         step = self.scheduler.schedule()
@@ -305,7 +325,55 @@ class Engine:
             self.runner.timer.add(step.kind, "sample", t3 - t2)        # sampling, detokenizing, stop checks
         return outputs
 
-    def _postprocess(self, step: ScheduledStep, logits: torch.Tensor) -> list[StepOutput]:
+    # -- overlapped scheduling ------------------------------------------------------------------------
+    def _step_overlapped(self) -> list[StepOutput]:
+        """One step's outputs, the step after it launched first where Scheduler.chain allows: its inputs go to the
+        device and it starts there while this one's tokens come back and are detokenized and checked, so the
+        device does not wait for the host between the two (on the CPU both run in turn: the same tokens)."""
+        t0 = time.perf_counter()
+        cur, self._inflight = self._inflight, None
+        try:
+            if cur is None:
+                step = self.scheduler.schedule()
+                if step is None:
+                    return []
+                self.current_step = step
+                cur = self._launch(step)
+            self.current_step = cur.step
+            if cur.tokens is not None:
+                nxt = self.scheduler.chain(cur.step)
+                if nxt is not None:
+                    self._inflight = self._launch(nxt, cur.tokens)
+                    self.num_chained += 1
+            t2 = time.perf_counter()
+            sampled = cur.host_tokens()
+            outputs = self._postprocess(cur.step, cur.logits, sampled)
+        except BaseException:
+            self._inflight = None          # what was chained to a failed step fails with it (EngineLoop)
+            raise
+        t3 = time.perf_counter()
+        self.current_step = None
+        self.num_steps += 1
+        self.host_seconds += t3 - t0        # the device's part too where it runs the step itself (the CPU)
+        self.sampler_seconds += t3 - t2
+        return outputs
+
+    def _launch(self, step: ScheduledStep, fed: torch.Tensor | None = None) -> "_Launched":
+        """Build the step's inputs and run it (on an accelerator: queue it); where its tokens can feed a chained
+        step, sample them on the device too and start their copy to the host."""
+        inputs = build_inputs(step, self.manifest.compile)
+        if fed is not None:
+            inputs.fed_tokens = fed
+        logits = self.runner.run(inputs)
+        if step.kind != "decode" or not all(e.wants_logits and not e.every_row and e.seq.params.logprobs is None
+                                            and not e.seq.processes_logits for e in step.entries):
+            return _Launched(step, logits)
+        tokens = sample_on_device(logits, [e.seq for e in step.entries])
+        return _Launched(step, logits, tokens)
+
+    def _postprocess(self, step: ScheduledStep, logits: torch.Tensor, sampled: list[int] | None = None
+                     ) -> list[StepOutput]:
+        """`sampled`: the tokens of a step whose rows were sampled already (overlapped: one a logits row)."""
         self.scheduler.advance(step)
         rows = logit_rows(step)
         for e, (r, n) in zip(step.entries, rows):
@@ -313,7 +381,10 @@ class Engine:
                 _collect_prompt_logprobs(e, logits[r:r + n])
         picks = [(e.seq, r + n - 1) for e, (r, n) in zip(step.entries, rows) if e.wants_logits and not e.num_draft]
         chosen: dict[int, tuple[list[int], list[float], list[dict[int, float]]]] = {}
-        if picks:
+        if sampled is not None:
+            for (seq, _), tok in zip(picks, sampled):
+                chosen[seq.seq_id] = [tok], [0.0], [{}]
+        elif picks:
             sampled = [seq for seq, _ in picks]
             at = [r for _, r in picks]
             tokens, lps, tops = sample(logits if at == list(range(len(at))) else logits[at], sampled, self.eos_ids)
@@ -422,6 +493,29 @@ class Engine:
         return seqs
 
 
+class _Launched:
+    """A step run (on an accelerator: queued), its logits not read yet. `tokens`: its rows' tokens sampled on the
+    device, their copy to the host started (pinned memory, an event), where a chained step may read them there."""
+
+    def __init__(self, step: ScheduledStep, logits: torch.Tensor, tokens: torch.Tensor | None = None):
+        self.step, self.logits, self.tokens = step, logits, tokens
+        self._host = self._copied = None
+        if tokens is not None and tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def host_tokens(self) -> list[int] | None:
+        """The sampled tokens on the host; waits for their copy only (not for a chained step queued since)."""
+        if self.tokens is None:
+            return None
+        if self._copied is None:
+            return self.tokens.tolist()
+        self._copied.synchronize()
+        return self._host.tolist()
+
+
 def _collect_prompt_logprobs(e, logits: torch.Tensor) -> None:
     """Prompt logprobs from an entry's rows: row j (position e.start + j) scores prompt token e.start + j + 1.
     Only the tokens not collected yet (a preempted sequence recomputes its prompt), and none past the prompt."""
@@ -475,6 +569,7 @@ def make_runner(art: Artifact, rank: int, device: str = "cpu", timing: bool = Fa
     return runner
 
 
+OVERLAP_ENV = "DEEPINFER_OVERLAP"        # 1 / 0: overlapped scheduling on / off (default: on for CUDA)
 MALLOC_ENV = "DEEPINFER_MALLOC_KEEP"    # 0: leave glibc's allocator as it is
 
 

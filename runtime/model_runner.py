@@ -37,6 +37,23 @@ class StepInputs:
     logit_indices: np.ndarray   # [L] int64
     num_logits: int             # real rows of the logits
     context_starts: np.ndarray  # [T] int64, prefill: the token's sequence's first slot in the packed context
+    # A chained step (Scheduler.chain): token_ids[fed_rows] come from `fed_tokens[fed_from]`, the step before's
+    # sampled tokens on the device, written into the device's copy of token_ids before the graphs run
+    fed_rows: np.ndarray | None = None
+    fed_from: np.ndarray | None = None
+    fed_tokens: torch.Tensor | None = None
+
+    def feed(self, token_ids: torch.Tensor) -> None:
+        """Write the fed tokens into the step's token ids on the device (no host sync)."""
+        if self.fed_rows is None:
+            return
+        n = len(self.fed_rows)
+        if np.array_equal(self.fed_rows, np.arange(n)) and np.array_equal(self.fed_from, np.arange(n)):
+            token_ids[:n].copy_(self.fed_tokens[:n])
+        else:
+            dev = token_ids.device
+            token_ids[torch.from_numpy(self.fed_rows).to(dev)] = \
+                self.fed_tokens[torch.from_numpy(self.fed_from).to(dev)]
 
 
 def logit_rows(step: ScheduledStep) -> list[tuple[int, int]]:
@@ -71,6 +88,7 @@ def build_inputs(step: ScheduledStep, cc: CompileConfig) -> StepInputs:
     starts = np.zeros(T, np.int64)
     t = n_logits = packed = 0      # packed: blocks of the prefill row used so far
     decode = step.kind == DECODE
+    fed_rows, fed_from = [], []
     for e in step.entries:
         seq = e.seq
         end = e.start + e.num_tokens
@@ -84,7 +102,11 @@ def build_inputs(step: ScheduledStep, cc: CompileConfig) -> StepInputs:
             packed += len(table)
         every, last = e.every_row, end - 1 if e.wants_logits else -1
         for pos in range(e.start, end):
-            token_ids[t] = seq.token_at(pos)
+            if e.fed < 0:
+                token_ids[t] = seq.token_at(pos)
+            else:                     # still on the device: StepInputs.feed
+                fed_rows.append(t)
+                fed_from.append(e.fed)
             positions[t] = pos
             slots[t] = seq.block_table[pos // block_size] * block_size + pos % block_size
             if decode:
@@ -93,7 +115,10 @@ def build_inputs(step: ScheduledStep, cc: CompileConfig) -> StepInputs:
                 logit_idx[n_logits] = t
                 n_logits += 1
             t += 1
-    return StepInputs(step.kind, T, C, token_ids, positions, slots, tables, logit_idx, n_logits, starts)
+    si = StepInputs(step.kind, T, C, token_ids, positions, slots, tables, logit_idx, n_logits, starts)
+    if fed_rows:
+        si.fed_rows, si.fed_from = np.array(fed_rows, np.int64), np.array(fed_from, np.int64)
+    return si
 
 
 def timing_requested() -> bool:
@@ -258,9 +283,11 @@ class ModelRunner:
         return logits.float() if logits.device.type == "cpu" else logits
 
     def to_device(self, si: StepInputs) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.from_numpy(a).to(self.device) for a in
-                     (si.token_ids, si.positions, si.slot_mapping, si.block_tables, si.logit_indices,
-                      si.context_starts))
+        out = tuple(torch.from_numpy(a).to(self.device) for a in
+                    (si.token_ids, si.positions, si.slot_mapping, si.block_tables, si.logit_indices,
+                     si.context_starts))
+        si.feed(out[0])         # (on the CPU, into the host's array itself: it then holds the real tokens)
+        return out
 
     def forward(self, kind: str, T: int, C: int, token_ids, positions, slots, tables, logit_idx,
                 context_starts) -> torch.Tensor:

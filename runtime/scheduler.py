@@ -60,6 +60,8 @@ class StepEntry:
     wants_logits: bool   # this step reaches the sequence's last known token: sample the next one
     all_logits: bool = False   # logits of every position (prompt logprobs), the last one's sampled if wanted
     num_draft: int = 0   # speculative tokens after the last known one (seq.draft_ids), verified after the step
+    fed: int = -1        # a chained step (Scheduler.chain): the row of the step before's sampled tokens that
+    # holds this entry's one token, which the host does not know yet (-1: the host has it)
 
     @property
     def every_row(self) -> bool:
@@ -460,6 +462,40 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+
+    def chain(self, step: ScheduledStep) -> ScheduledStep | None:
+        """The decode step after `step` that runs its sequences once more each, built before `step`'s tokens are
+        known (overlapped scheduling: Engine); None where the step after may have to differ from it. Each entry's
+        one token is the token `step` samples for it (StepEntry.fed), at the position after `step`'s last.
+
+        Only while nothing waits to start, every running sequence is in `step` and wants its next token, no
+        sequence processes logits (penalties, grammars, min_tokens: they depend on the token not known yet) or
+        asks for logprobs, none finishes by length at its pending token, and the blocks fit without preempting
+        anyone. A sequence that stops at its pending token (EOS, a stop string) or is aborted still runs in the
+        chained step; its row is then dropped (the KV it writes lies in its own blocks, before any later step
+        that could take them over runs on the same stream)."""
+        if (step.kind != "decode" or self.waiting or self.proposer is not None
+                or len(step.entries) != len(self.running)):
+            return None
+        limit = self.cfg.context_limit
+        need = 0
+        for e in step.entries:
+            seq, p = e.seq, e.seq.params
+            if (not e.wants_logits or e.every_row or seq.status is not Status.RUNNING or p.logprobs is not None
+                    or p.processes_logits or seq.constraint is not None
+                    or len(seq.output_ids) + 1 < p.min_tokens or len(seq.output_ids) + 1 >= p.max_tokens
+                    or seq.num_tokens + 1 >= limit):
+                return None
+            # its KV so far is e.start; this step's tokens, then the pending one
+            need += self.blocks.blocks_needed(seq, e.num_tokens + 1)
+        if not self.blocks.can_allocate(need):
+            return None
+        entries = []
+        for j, e in enumerate(step.entries):
+            self.blocks.allocate(e.seq, e.num_tokens + 1)
+            entries.append(StepEntry(e.seq, e.start + e.num_tokens, 1, True, fed=j))
+        ctx = self._context_bucket(max(x.start + 1 for x in entries))
+        return ScheduledStep("decode", smallest_at_least(self.cfg.decode_buckets, len(entries)), ctx, tuple(entries))
 
     # -- after the step ---------------------------------------------------------------------------
     def advance(self, step: ScheduledStep) -> None:

@@ -101,3 +101,22 @@ def test_static_moe_path_replays_decode_only(checkpoints, compile_artifact, cpu_
     assert sg.kinds == {DECODE}
     eng.generate([list(range(3, 20))], SamplingParams(max_tokens=4, ignore_eos=True))
     assert {k for k, _, _, _ in sg.graphs} == {DECODE}
+
+
+def test_chained_steps_replay_with_their_tokens_fed_on_the_device(checkpoints, compile_artifact, cpu_graph_api):
+    """Overlapped scheduling over replayed graphs: a chained step's token ids are written into the graph's static
+    input buffer after the host's copy (the host has only placeholders for them). Tokens equal the plain loop's,
+    and every replay equals its step launched one by one (which feeds the same tokens)."""
+    art = compile_artifact(checkpoints["base"])
+    plain = Engine.from_artifact(art, prefix_caching=False)
+    eng = Engine.from_artifact(art, prefix_caching=False, overlap=True)
+    cpu_graph_api.runner = eng.runner
+    sg = eng.runner.step_graphs = cuda_graphs.StepGraphs(eng.runner)
+    sg.check = True
+    prompts = [list(range(5, 14)), list(range(30, 35)), list(range(50, 53))]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 14, 5)]
+    want = [s.output_ids for s in plain.generate(prompts, params)]
+    got = [s.output_ids for s in eng.generate(prompts, params)]
+    assert got == want and eng.num_chained > 5
+    for key, (worst, agree, count) in sg.checks.items():
+        assert worst == 0.0 and agree == 1.0 and count >= 1, key

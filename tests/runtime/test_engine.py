@@ -688,3 +688,113 @@ def test_the_engine_loop_stops_on_a_rank_failure_also_when_idle_or_out_of_step()
         assert fatal.wait(5) and isinstance(loop.error, RankFailure) and "out of step" in str(loop.error)
     finally:
         loop.stop()
+
+
+def _overlapped(engine) -> Engine:
+    return Engine(engine.manifest, engine.runner, engine.tokenizer, overlap=True)
+
+
+def _outputs(seqs):
+    return [(s.output_ids, s.output_text, s.finish_reason, s.token_logprobs) for s in seqs]
+
+
+def test_overlapped_scheduling_changes_no_output(engine):
+    """The next decode step launched before this one's tokens reach the host (its tokens fed on the device):
+    every request gets what the plain loop gives, whether its steps were chained (greedy and seeded sampling,
+    finishing by length at different steps, EOS, a stop string) or not (penalties, min_tokens, logprobs)."""
+    ps = prompts([3, 9, 20, 70, 5, 12, 7, 4], seed=21)
+    ref_seq = engine.generate([ps[0]], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    stop = ref_seq.output_text[len(ref_seq.output_text) // 2:][:2]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True),
+              SamplingParams(max_tokens=7, ignore_eos=True),
+              SamplingParams(max_tokens=25, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=11, temperature=1.2, top_k=20, seed=6, ignore_eos=True),
+              SamplingParams(max_tokens=18, ignore_eos=True, stop=(stop,) if stop.strip() else ()),
+              SamplingParams(max_tokens=16),                                   # EOS below
+              SamplingParams(max_tokens=9, repetition_penalty=1.3, min_tokens=3, ignore_eos=True),
+              SamplingParams(max_tokens=6, logprobs=2, ignore_eos=True)]
+    plain = engine.generate([ps[5]], SamplingParams(max_tokens=16, ignore_eos=True))[0].output_ids
+    saved, engine.eos_ids = engine.eos_ids, {plain[4]}          # the sixth request stops early
+    over = _overlapped(engine)
+    over.eos_ids = engine.eos_ids
+    try:
+        want = _outputs(engine.generate(ps, params))
+        got = _outputs(over.generate(ps, params))
+        # one at a time: every step of a lone greedy or seeded request chains to the one before
+        alone = [_outputs(over.generate([p], sp)) for p, sp in zip(ps[:4], params[:4])]
+    finally:
+        engine.eos_ids = saved
+    assert got == want
+    assert [a[0] for a in alone] == want[:4]
+    assert want[5][2] == "stop" and want[5][0] == plain[:plain.index(plain[4]) + 1]
+    assert over.num_chained > 0 and not over.has_work
+    assert over.scheduler.blocks.num_free == over.scheduler.blocks.num_blocks
+
+
+def test_overlapped_scheduling_takes_arrivals_and_aborts_mid_chain(engine):
+    """A request that arrives, or one aborted, while a chained step is in flight: the others' outputs are as the
+    plain loop gives them, and every block comes back."""
+    ps = prompts([6, 11, 4], seed=31)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [engine.generate([p], params)[0].output_ids for p in ps]
+    over = _overlapped(engine)
+    a, b = (over.add_request(p, params) for p in ps[:2])
+    while over._inflight is None:
+        over.step()
+    c = over.add_request(ps[2], params)              # arrives mid-chain
+    for _ in range(3):
+        over.step()
+    assert over._inflight is not None
+    over.abort(b)                                    # aborted while its chained step is in flight
+    while over.has_work:
+        over.step()
+    assert a.output_ids == want[0] and c.output_ids == want[2]
+    assert b.finish_reason == "abort" and b.output_ids == want[1][:len(b.output_ids)]
+    assert over.scheduler.blocks.num_free == over.scheduler.blocks.num_blocks
+
+
+def test_a_failed_chained_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypatch):
+    """EngineLoop over an overlapped engine: tokens stream as the plain loop gives them; a step that raises while
+    a chained step is in flight fails its requests (the chained step goes with it), frees their blocks, and the
+    next request is served."""
+    import asyncio
+    from deepinfer.runtime.engine_loop import EngineLoop, TokenEvent
+    over = _overlapped(engine)
+    ps = prompts([5, 8, 6], seed=41)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [engine.generate([p], params)[0].output_ids for p in ps]
+    run, calls = over.runner.run, []
+
+    def failing(si):
+        calls.append(si.fed_rows is not None)
+        if failing.armed and calls[-1] and sum(calls) == 4:
+            raise RuntimeError("injected chained-step failure")
+        return run(si)
+    monkeypatch.setattr(over.runner, "run", failing)
+    loop = EngineLoop(over)
+    loop.start()
+
+    async def collect(stream):
+        events = []
+        while not events or (isinstance(events[-1], TokenEvent) and not events[-1].finished):
+            events.append(await asyncio.wait_for(stream.events.get(), 60))
+        return events
+
+    async def main():
+        failing.armed = False
+        [a] = await loop.submit([(ps[0], params)])
+        ok = await collect(a)
+        failing.armed = True
+        calls.clear()
+        [b] = await loop.submit([(ps[1], params)])
+        failed = await collect(b)
+        [c] = await loop.submit([(ps[2], params)])
+        after = await collect(c)
+        return ok, failed, after
+    try:
+        ok, failed, after = asyncio.run(main())
+    finally:
+        loop.stop()
+    assert [e.token_id for e in ok] == want[0] and [e.token_id for e in after] == want[2]
+    assert isinstance(failed[-1], RuntimeError) and "injected" in str(failed[-1])
+    assert not over.has_work and over.scheduler.blocks.num_used == 0

@@ -61,17 +61,21 @@ def fake_step(sched: Scheduler, step) -> None:
 
 
 def run_to_completion(cfg: SchedulerConfig, requests: list[tuple[list[int], int]],
-                      arrivals: list[int]) -> list[Sequence]:
-    """Requests (prompt, max_tokens) arrive at step `arrivals[i]`; every step 'generates' token 7."""
+                      arrivals: list[int], overlap: bool = False) -> list[Sequence]:
+    """Requests (prompt, max_tokens) arrive at step `arrivals[i]`; every step 'generates' token 7. `overlap`: as
+    the overlapped engine, each step is chained (Scheduler.chain) before its tokens are appended, where it can be."""
     sched = Scheduler(cfg)
     pool = FakePool(sched)
     seqs = [Sequence(list(p), SamplingParams(max_tokens=n)) for p, n in requests]
     pending = sorted(zip(arrivals, range(len(seqs))))
     step_no = 0
+    chained = None
     while pending or sched.has_work:
         while pending and pending[0][0] <= step_no:
             sched.add(seqs[pending.pop(0)[1]])
-        step = sched.schedule()
+        step, chained = (chained, None) if chained is not None else (sched.schedule(), None)
+        if step is not None and overlap:
+            chained = sched.chain(step)
         step_no += 1
         assert step_no < 10_000, "no progress"
         if step is None:
@@ -112,15 +116,15 @@ def prompt(prefix: int, n_prefix: int, n_suffix: int, seed: int) -> list[int]:
 
 @settings(max_examples=200, deadline=None)
 @given(requests=requests, data=st.data(), num_blocks=st.integers(8, 40), prefill=st.booleans(),
-       streak=st.integers(1, 5), caching=st.booleans())
-def test_every_request_finishes_without_leaks(requests, data, num_blocks, prefill, streak, caching):
+       streak=st.integers(1, 5), caching=st.booleans(), overlap=st.booleans())
+def test_every_request_finishes_without_leaks(requests, data, num_blocks, prefill, streak, caching, overlap):
     cfg = SchedulerConfig(decode_buckets=(1, 2, 4), prefill_buckets=(16, 32) if prefill else (),
                           context_buckets=(64, 128), context_limit=128, block_size=16, num_blocks=num_blocks,
                           max_prefill_streak=streak, prefix_caching=caching)
     reqs = [(prompt(*r[:4]), r[4]) for r in requests]
     reqs = [(p, min(n, 128 - len(p))) for p, n in reqs if len(p) < 128]
     arrivals = data.draw(st.lists(st.integers(0, 30), min_size=len(reqs), max_size=len(reqs)))
-    seqs = run_to_completion(cfg, reqs, arrivals)
+    seqs = run_to_completion(cfg, reqs, arrivals, overlap)
     for s, (p, n) in zip(seqs, reqs):
         assert s.status is Status.FINISHED and len(s.output_ids) == n
 
