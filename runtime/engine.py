@@ -81,10 +81,11 @@ class Engine:
         # host (`_step_overlapped`). Where it pays: an accelerator that runs a step while the host waits (on by
         # default for CUDA; the CPU runs the step itself). Not with followers (they would need the tokens), the
         # region timing (it synchronises) or speculative decoding (drafts need the tokens).
+        if overlap is None:
+            overlap = _env_switch(OVERLAP_ENV)
         asked = overlap
         if overlap is None:
-            env = os.environ.get(OVERLAP_ENV)
-            overlap = env not in ("0", "") if env is not None else runner.device.type == "cuda"
+            overlap = runner.device.type == "cuda"
         why_not = ("several ranks" if followers is not None else "region timing" if runner.timer is not None
                    else "speculative decoding" if num_speculative_tokens else None)
         if asked and why_not:
@@ -293,7 +294,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run a step and return its outputs. Overlapped: return the outputs of one step after launching the
         next, where it can be chained to it."""
-        if self.overlap:
+        if self.overlap or self._inflight is not None:      # (overlap turned off with a step in flight: it ends)
             return self._step_overlapped()
         t0 = time.perf_counter()
         self.current_step = None
@@ -331,6 +332,7 @@ class Engine:
         device and it starts there while this one's tokens come back and are detokenized and checked, so the
         device does not wait for the host between the two (on the CPU both run in turn: the same tokens)."""
         t0 = time.perf_counter()
+        self.current_step = None
         cur, self._inflight = self._inflight, None
         try:
             if cur is None:
@@ -340,7 +342,7 @@ class Engine:
                 self.current_step = step
                 cur = self._launch(step)
             self.current_step = cur.step
-            if cur.tokens is not None:
+            if cur.tokens is not None and self.overlap:
                 nxt = self.scheduler.chain(cur.step)
                 if nxt is not None:
                     self._inflight = self._launch(nxt, cur.tokens)
@@ -365,8 +367,11 @@ class Engine:
         if fed is not None:
             inputs.fed_tokens = fed
         logits = self.runner.run(inputs)
-        if step.kind != "decode" or not all(e.wants_logits and not e.every_row and e.seq.params.logprobs is None
-                                            and not e.seq.processes_logits for e in step.entries):
+        # a chained step qualifies by construction (Scheduler.chain: its sequences' output lacks the pending token
+        # still, which min_tokens would count)
+        if fed is None and (step.kind != "decode" or not all(
+                e.wants_logits and not e.every_row and e.seq.params.logprobs is None and not e.seq.processes_logits
+                for e in step.entries)):
             return _Launched(step, logits)
         tokens = sample_on_device(logits, [e.seq for e in step.entries])
         return _Launched(step, logits, tokens)
@@ -570,6 +575,19 @@ def make_runner(art: Artifact, rank: int, device: str = "cpu", timing: bool = Fa
 
 
 OVERLAP_ENV = "DEEPINFER_OVERLAP"        # 1 / 0: overlapped scheduling on / off (default: on for CUDA)
+
+
+def _env_switch(name: str) -> bool | None:
+    """An on/off environment variable: None where it is unset or empty."""
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return None
+    if v in ("1", "true", "on", "yes"):
+        return True
+    if v in ("0", "false", "off", "no"):
+        return False
+    from ..common.errors import OptionError
+    raise OptionError(f"{name}={os.environ[name]!r}: expected 1/0 (true/false, on/off, yes/no)")
 MALLOC_ENV = "DEEPINFER_MALLOC_KEEP"    # 0: leave glibc's allocator as it is
 
 

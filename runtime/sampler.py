@@ -51,17 +51,26 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     """The tokens `sample` would choose, as [n] int64 on the logits' device, for sequences that neither process
     logits nor ask for logprobs (overlapped scheduling: the next step reads them there before the host does).
     Greedy rows take the first maximum, as `sample`; sampled rows draw their request's uniform number in the same
-    order. No host sync for greedy rows (top-p rows whose nucleus is flat sync once: `sample_rows`)."""
+    order. No host sync: nothing waits for the steps queued on the device."""
     tokens = logits.argmax(dim=-1)
     drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if drawn:
         ps = [seqs[i].params for i in drawn]
-        picks = sample_rows(logits[drawn], [p.temperature for p in ps], [p.top_k for p in ps],
-                            [p.top_p for p in ps], [seqs[i].generator for i in drawn])
+        at = _on(logits.device, drawn, torch.int64)
+        picks = sample_rows(logits if len(drawn) == len(seqs) else logits[at], [p.temperature for p in ps],
+                            [p.top_k for p in ps], [p.top_p for p in ps], [seqs[i].generator for i in drawn],
+                            sync=False)
         if len(drawn) == len(seqs):
             return picks
-        tokens[torch.tensor(drawn, device=logits.device)] = picks
+        tokens[at] = picks
     return tokens
+
+
+def _on(dev: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A few host values as a tensor on `dev`. On a GPU through pinned memory, copied asynchronously: a copy from
+    pageable memory waits for everything queued on the stream first (a chained step: Engine's overlap)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:
@@ -78,18 +87,20 @@ CANDIDATES = 1024
 
 
 def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
+                generators: list[torch.Generator | None], sync: bool = True) -> torch.Tensor:
     """One token per row of logits [m, V], drawn from `sampling_probs` of the row with its own parameters, on the
     logits' device. Each row's filters come down to the smallest logit it keeps (a value: the same whatever order
     equal logits sort in); then one uniform number from the row's generator (None: torch's default) picks, in
     vocabulary order, the first kept token whose cumulative probability passes it. The rows are computed
     together, each by per-row operations only, so a row's token does not depend on the batch it came in.
-    Returns [m] int64 on the logits' device."""
+    Returns [m] int64 on the logits' device. `sync=False`: never wait for the device (the next step may be queued
+    behind these rows): top-p rows then take the whole sorted row's floor where their nucleus reaches past the
+    candidates, chosen on the device, instead of the host looking first (the same tokens, a sort more)."""
     m, V = logits.shape
     dev = logits.device
-    u = torch.tensor([float(torch.rand((), generator=g)) for g in generators], device=dev)
+    u = _on(dev, [float(torch.rand((), generator=g)) for g in generators], torch.float32)
     # softmax and topk take the row's maximum out themselves: no shifted copy of the rows
-    x = logits.float() / torch.tensor(temperatures, device=dev)[:, None]
+    x = logits.float() / _on(dev, temperatures, torch.float32)[:, None]
     probs = x.softmax(dim=-1)
     floor = torch.full((m,), float("-inf"), device=dev)          # per row, the smallest logit it keeps
     # by path: top-k, over the row's k largest (k); top-p alone, over the CANDIDATES largest (-1), or the whole
@@ -100,7 +111,7 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[in
             groups.setdefault(k if 0 < k < V else -1 if CANDIDATES < V else V, []).append(i)
     whole = groups.pop(V, [])
     for path, rows in groups.items():
-        at = torch.tensor(rows, device=dev)
+        at = _on(dev, rows, torch.int64)
         xs = x if len(rows) == m else x[at]          # one path for the whole batch: no copy of its rows
         vals, ids = xs.topk(CANDIDATES if path < 0 else path, dim=-1)
         ps = [top_ps[i] for i in rows]
@@ -114,13 +125,17 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[in
         else:
             within = (probs if len(rows) == m else probs[at]).gather(1, ids)
             # the candidates' total as _nucleus_floor sums them (cumsum: in double on the CPU, where sum() is not)
-            reached = within.cumsum(dim=-1)[:, -1] >= torch.tensor(ps, device=dev)
+            reached = within.cumsum(dim=-1)[:, -1] >= _on(dev, ps, torch.float32)
             floor[at] = _nucleus_floor(vals, within, ps)
-            if not bool(reached.all()):              # flat rows: their nucleus reaches past the candidates
+            if not sync:                             # every row's whole-row floor, taken where it is needed
+                wv, wi = xs.sort(dim=-1, descending=True)
+                wp = (probs if len(rows) == m else probs[at]).gather(1, wi)
+                floor[at] = torch.where(reached, floor[at], _nucleus_floor(wv, wp, ps))
+            elif not bool(reached.all()):            # flat rows: their nucleus reaches past the candidates
                 whole += at[~reached].tolist()
     if whole:
         whole.sort()
-        at = torch.tensor(whole, device=dev)
+        at = _on(dev, whole, torch.int64)
         vals, ids = x[at].sort(dim=-1, descending=True)
         floor[at] = _nucleus_floor(vals, probs[at].gather(1, ids), [top_ps[i] for i in whole])
     return _draw(probs.masked_fill(x < floor[:, None], 0.0), u)
@@ -132,7 +147,7 @@ def _nucleus_floor(vals: torch.Tensor, probs: torch.Tensor, top_ps: list[float])
     -inf for rows with p >= 1."""
     if all(p >= 1.0 for p in top_ps):
         return torch.full(vals.shape[:1], float("-inf"), device=vals.device)
-    p = torch.tensor(top_ps, device=vals.device)[:, None]
+    p = _on(vals.device, top_ps, torch.float32)[:, None]
     before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))    # mass ahead of each position
     last = ((before < p).sum(dim=-1, keepdim=True) - 1).clamp_(0, vals.shape[-1] - 1)
     return torch.where(p[:, 0] < 1.0, vals.gather(1, last)[:, 0], float("-inf"))

@@ -798,3 +798,26 @@ def test_a_failed_chained_step_fails_its_requests_and_the_loop_goes_on(engine, m
     assert [e.token_id for e in ok] == want[0] and [e.token_id for e in after] == want[2]
     assert isinstance(failed[-1], RuntimeError) and "injected" in str(failed[-1])
     assert not over.has_work and over.scheduler.blocks.num_used == 0
+
+
+def test_overlap_turned_off_mid_chain_finishes_the_step_in_flight(engine, monkeypatch):
+    """The chained step in flight when overlap is turned off still ends (its tokens are not lost); the switch's
+    environment variable takes 1/0 words and names itself when it is neither."""
+    from deepinfer.common.errors import OptionError
+    p = prompts([7], seed=51)[0]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = engine.generate([p], params)[0].output_ids
+    over = _overlapped(engine)
+    s = over.add_request(p, params)
+    while over._inflight is None:
+        over.step()
+    over.overlap = False
+    while over.has_work:
+        over.step()
+    assert s.output_ids == want and over._inflight is None
+    for value, on in (("off", False), ("1", True), ("", False)):
+        monkeypatch.setenv("DEEPINFER_OVERLAP", value)
+        assert Engine(engine.manifest, engine.runner, engine.tokenizer).overlap is on
+    monkeypatch.setenv("DEEPINFER_OVERLAP", "maybe")
+    with pytest.raises(OptionError, match="DEEPINFER_OVERLAP='maybe'"):
+        Engine(engine.manifest, engine.runner, engine.tokenizer)

@@ -86,6 +86,24 @@ def test_a_rows_draw_does_not_depend_on_its_batch_past_the_candidates():
         assert draw([7, 4, 0]) == [alone[7], alone[4], alone[0]]
 
 
+def test_draws_without_a_host_sync_are_the_same_draws():
+    """sync=False (overlapped scheduling: nothing may wait for the device) decides on the device which top-p rows
+    take the whole sorted row's floor; the tokens are the ones the host-side decision gives: top-p rows over the
+    candidates and flat ones past them, top-k + top-p rows, plain ones, in one batch and in part of one."""
+    V = 3000
+    g = torch.Generator().manual_seed(8)
+    logits = torch.cat([torch.randn(4, V, generator=g) * 6, torch.randn(4, V, generator=g) * 0.2])
+    params = [(0.8, 0, 0.9), (1.0, 40, 0.8), (0.9, 0, 1.0), (1.1, 0, 0.7),
+              (1.0, 0, 0.9), (0.7, 0, 0.95), (1.0, 5, 0.5), (1.2, 0, 0.99)]
+    for seed in range(10):
+        for rows in (list(range(8)), [4, 0, 5], [1, 6]):
+            ts, ks, ps = zip(*(params[i] for i in rows))
+            got = [sample_rows(logits[rows], list(ts), list(ks), list(ps),
+                               [torch.Generator().manual_seed(100 * seed + i) for i in rows], sync=sync).tolist()
+                   for sync in (True, False)]
+            assert got[0] == got[1], (seed, rows)
+
+
 def test_top_p_at_the_candidates_total_takes_the_whole_row(monkeypatch):
     """top_p equal to the candidates' own total, as the float sums give it: whether the nucleus reaches past the
     1024 candidates is decided on the same sums the boundary comes from (a sum() and a cumsum() disagree in the
