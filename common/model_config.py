@@ -68,6 +68,12 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def q_a_rows(self) -> int:
+        """Rows of the query's projection of the layer input: q_proj's (every head's qk dims), or q_a_proj's (the
+        q LoRA rank); the first rows of the stacked `attn.q_kv_a_proj` weight."""
+        return self.num_attention_heads * self.qk_head_dim if self.q_lora_rank is None else self.q_lora_rank
+
+    @property
     def kv_cache_dim(self) -> int:
         """Width of one latent KV cache row: the compressed KV plus the shared RoPE key."""
         return self.kv_lora_rank + self.qk_rope_head_dim

@@ -145,8 +145,7 @@ def _weight_shapes(m: ModelConfig, cc: CompileConfig) -> dict[str, tuple[tuple[i
         "rope.inv_freq": ((dr // 2,), "float32"), "rank.expert_ids": ((E,), "int64"), "rank.cp_rank": ((), "int64"),
         "rank.ep_weight": ((), "float32"),
         "input_layernorm": ((D,), dt), "post_attention_layernorm": ((D,), dt),
-        "attn.q_proj": ((H * (dn + dr), D), wt),
-        "attn.kv_a_proj_with_mqa": ((kvr + dr, D), wt), "attn.kv_a_layernorm": ((kvr,), dt),
+        "attn.q_kv_a_proj": ((m.q_a_rows + kvr + dr, D), wt), "attn.kv_a_layernorm": ((kvr,), dt),
         "attn.w_uk": ((H, dn, kvr), wt), "attn.w_uv": ((H, dv, kvr), wt), "attn.o_proj": ((D, H * dv), wt),
         "mlp.gate_up": ((2 * m.intermediate_size, D), wt), "mlp.down": ((D, m.intermediate_size), wt),
         "moe.router_weight": ((m.n_routed_experts, D), "float32"), "moe.router_bias": ((m.n_routed_experts,), "float32"),
@@ -155,7 +154,7 @@ def _weight_shapes(m: ModelConfig, cc: CompileConfig) -> dict[str, tuple[tuple[i
     }
     if m.q_lora_rank is not None:
         qr = m.q_lora_rank
-        s |= {"attn.q_a_proj": ((qr, D), wt), "attn.q_a_layernorm": ((qr,), dt),
+        s |= {"attn.q_a_layernorm": ((qr,), dt),
               "attn.q_b_proj": ((H * (dn + dr), qr), wt)}
     return s
 

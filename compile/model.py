@@ -232,15 +232,17 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
     dn, dr, kvr = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
     bs = spec.block_size
 
+    # q_proj (or q_a_proj) and kv_a_proj_with_mqa as one GEMM: one weight pass a layer over the same rows
+    qkv = linear(spec, x, w["attn.q_kv_a_proj"])
+    qa = m.q_a_rows
     if m.q_lora_rank is None:
-        q = linear(spec, x, w["attn.q_proj"])
+        q = qkv[:, :qa]
     else:
-        q_a = rms_norm(linear(spec, x, w["attn.q_a_proj"]), w["attn.q_a_layernorm"], 1e-6)
-        q = linear(spec, q_a, w["attn.q_b_proj"])
-    q = q.view(T, H, dn + dr)
+        q = linear(spec, rms_norm(qkv[:, :qa], w["attn.q_a_layernorm"], 1e-6), w["attn.q_b_proj"])
+    q = q.reshape(T, H, dn + dr)
     q_nope, q_pe = q[..., :dn], q[..., dn:]
 
-    kv = linear(spec, x, w["attn.kv_a_proj_with_mqa"])                           # [T, kvr + dr]
+    kv = qkv[:, qa:]                                                             # [T, kvr + dr]
     c_kv = rms_norm(kv[:, :kvr], w["attn.kv_a_layernorm"], 1e-6)
     cos, sin = rope_cos_sin(positions, w["rope.inv_freq"], m.rope_attention_factor, x.dtype)
     q_pe = apply_rope(q_pe, cos[:, None, :], sin[:, None, :], m.rope_interleave)

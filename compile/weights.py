@@ -31,8 +31,8 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
 
 
 def attn_keys(m: ModelConfig, cp: int) -> list[str]:
-    q = ["attn.q_proj"] if m.q_lora_rank is None else ["attn.q_a_proj", "attn.q_a_layernorm", "attn.q_b_proj"]
-    keys = ["input_layernorm", *q, "attn.kv_a_proj_with_mqa", "attn.kv_a_layernorm", "attn.w_uk", "attn.w_uv",
+    q_lora = [] if m.q_lora_rank is None else ["attn.q_a_layernorm", "attn.q_b_proj"]
+    keys = ["input_layernorm", "attn.q_kv_a_proj", *q_lora, "attn.kv_a_layernorm", "attn.w_uk", "attn.w_uv",
             "attn.o_proj", "post_attention_layernorm", "rope.inv_freq"]
     return keys + (["rank.cp_rank"] if cp > 1 else [])
 
@@ -106,14 +106,16 @@ def shard_specs(m: ModelConfig, cc: CompileConfig, rank: RankLayout) -> list[Wei
         a = p + "self_attn."
         add(L + "input_layernorm", (D,), dt, hf(p + "input_layernorm.weight", (D,)))
         add(L + "post_attention_layernorm", (D,), dt, hf(p + "post_attention_layernorm.weight", (D,)))
-        if m.q_lora_rank is None:
-            add(L + "attn.q_proj", (H * (dn + dr), D), wdt, hf(a + "q_proj.weight", (H * (dn + dr), D)))
-        else:
+        # The projections of the layer's input, stacked as one weight (one GEMM a layer instead of two): the query's
+        # (q_proj, or q_a_proj with a q LoRA) rows, then kv_a_proj_with_mqa's
+        q_name, q_rows = (a + "q_proj.weight", H * (dn + dr)) if m.q_lora_rank is None else \
+            (a + "q_a_proj.weight", m.q_lora_rank)
+        add(L + "attn.q_kv_a_proj", (q_rows + kvr + dr, D), wdt, lambda ck, q_name=q_name, q_rows=q_rows, a=a: torch.cat(
+            [ck.get(q_name, (q_rows, D)), ck.get(a + "kv_a_proj_with_mqa.weight", (kvr + dr, D))]))
+        if m.q_lora_rank is not None:
             qr = m.q_lora_rank
-            add(L + "attn.q_a_proj", (qr, D), wdt, hf(a + "q_a_proj.weight", (qr, D)))
             add(L + "attn.q_a_layernorm", (qr,), dt, hf(a + "q_a_layernorm.weight", (qr,)))
             add(L + "attn.q_b_proj", (H * (dn + dr), qr), wdt, hf(a + "q_b_proj.weight", (H * (dn + dr), qr)))
-        add(L + "attn.kv_a_proj_with_mqa", (kvr + dr, D), wdt, hf(a + "kv_a_proj_with_mqa.weight", (kvr + dr, D)))
         add(L + "attn.kv_a_layernorm", (kvr,), dt, hf(a + "kv_a_layernorm.weight", (kvr,)))
         kv_b = (a + "kv_b_proj.weight", (H * (dn + dv), kvr))
         add(L + "attn.w_uk", (H, dn, kvr), wdt, lambda ck, kv_b=kv_b: ck.get(*kv_b).view(H, dn + dv, kvr)[:, :dn])
