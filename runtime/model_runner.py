@@ -51,9 +51,8 @@ class StepInputs:
         if np.array_equal(self.fed_rows, np.arange(n)) and np.array_equal(self.fed_from, np.arange(n)):
             token_ids[:n].copy_(self.fed_tokens[:n])
         else:
-            dev = token_ids.device
-            token_ids[torch.from_numpy(self.fed_rows).to(dev)] = \
-                self.fed_tokens[torch.from_numpy(self.fed_from).to(dev)]
+            rows, src = (_on_device(a, token_ids.device) for a in (self.fed_rows, self.fed_from))
+            token_ids[rows] = self.fed_tokens[src]
 
 
 def logit_rows(step: ScheduledStep) -> list[tuple[int, int]]:
@@ -283,9 +282,8 @@ class ModelRunner:
         return logits.float() if logits.device.type == "cpu" else logits
 
     def to_device(self, si: StepInputs) -> tuple[torch.Tensor, ...]:
-        out = tuple(torch.from_numpy(a).to(self.device) for a in
-                    (si.token_ids, si.positions, si.slot_mapping, si.block_tables, si.logit_indices,
-                     si.context_starts))
+        arrays = (si.token_ids, si.positions, si.slot_mapping, si.block_tables, si.logit_indices, si.context_starts)
+        out = tuple(_on_device(a, self.device) for a in arrays)
         si.feed(out[0])         # (on the CPU, into the host's array itself: it then holds the real tokens)
         return out
 
@@ -310,6 +308,14 @@ class ModelRunner:
                 h = _first(out)
         head = graph_name(HEAD, kind, T, logit_rows=logit_idx.shape[0])
         return _first(self._call(kind, HEAD, head, h, logit_idx, self.layer_weights[HEAD][0]))
+
+
+def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`; on a GPU through pinned memory, asynchronously: a copy from pageable memory first
+    waits for everything queued on the stream (six such waits a step launched without a CUDA graph, and with
+    overlapped scheduling, for the chained step)."""
+    t = torch.from_numpy(a)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def _first(out):

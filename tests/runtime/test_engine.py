@@ -821,3 +821,21 @@ def test_overlap_turned_off_mid_chain_finishes_the_step_in_flight(engine, monkey
     monkeypatch.setenv("DEEPINFER_OVERLAP", "maybe")
     with pytest.raises(OptionError, match="DEEPINFER_OVERLAP='maybe'"):
         Engine(engine.manifest, engine.runner, engine.tokenizer)
+
+
+def test_step_inputs_feed_writes_the_device_tokens_into_their_rows():
+    """StepInputs.feed: token_ids[fed_rows] = fed_tokens[fed_from], the rows in order (a chained step's layout)
+    or not; a step without fed rows is left as it is."""
+    import numpy as np
+    from deepinfer.runtime.model_runner import StepInputs
+    z = np.zeros(4, np.int64)
+    si = StepInputs("decode", 4, 64, z.copy(), z, z, np.zeros((4, 1), np.int64), z, 4, z)
+    ids = torch.tensor([5, 6, 7, 8])
+    si.feed(ids)
+    assert ids.tolist() == [5, 6, 7, 8]
+    si.fed_tokens = torch.tensor([40, 41, 42])
+    for rows, src, want in (([0, 1, 2], [0, 1, 2], [40, 41, 42, 8]), ([3, 0], [2, 1], [41, 6, 7, 42])):
+        si.fed_rows, si.fed_from = np.array(rows), np.array(src)
+        ids = torch.tensor([5, 6, 7, 8])
+        si.feed(ids)
+        assert ids.tolist() == want
