@@ -81,16 +81,12 @@ class Engine:
         # host (`_step_overlapped`). Where it pays: an accelerator that runs a step while the host waits (on by
         # default for CUDA; the CPU runs the step itself). Not with followers (they would need the tokens), the
         # region timing (it synchronises) or speculative decoding (drafts need the tokens).
-        if overlap is None:
-            overlap = _env_switch(OVERLAP_ENV)
-        asked = overlap
-        if overlap is None:
-            overlap = runner.device.type == "cuda"
+        asked = overlap if overlap is not None else _env_switch(OVERLAP_ENV)
         why_not = ("several ranks" if followers is not None else "region timing" if runner.timer is not None
                    else "speculative decoding" if num_speculative_tokens else None)
         if asked and why_not:
             log.warning("overlapped scheduling is off with %s", why_not)
-        self.overlap = bool(overlap) and why_not is None
+        self.overlap = (asked if asked is not None else runner.device.type == "cuda") and why_not is None
         self._inflight: _Launched | None = None    # a chained step launched and not yet read
         self.num_chained = 0              # steps launched before the tokens of the step before reached the host
 
@@ -588,6 +584,8 @@ def _env_switch(name: str) -> bool | None:
         return False
     from ..common.errors import OptionError
     raise OptionError(f"{name}={os.environ[name]!r}: expected 1/0 (true/false, on/off, yes/no)")
+
+
 MALLOC_ENV = "DEEPINFER_MALLOC_KEEP"    # 0: leave glibc's allocator as it is
 
 

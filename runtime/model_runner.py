@@ -20,6 +20,7 @@ from ..common.manifest import (DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_
                                Manifest, graph_name)
 from .block_manager import blocks_for
 from .ops import MARK_CONTINUE, MARK_PARTS, set_mark_sink
+from .sampler import host_to_device
 from .scheduler import ScheduledStep
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -51,7 +52,7 @@ class StepInputs:
         if np.array_equal(self.fed_rows, np.arange(n)) and np.array_equal(self.fed_from, np.arange(n)):
             token_ids[:n].copy_(self.fed_tokens[:n])
         else:
-            rows, src = (_on_device(a, token_ids.device) for a in (self.fed_rows, self.fed_from))
+            rows, src = (host_to_device(a, token_ids.device) for a in (self.fed_rows, self.fed_from))
             token_ids[rows] = self.fed_tokens[src]
 
 
@@ -283,7 +284,7 @@ class ModelRunner:
 
     def to_device(self, si: StepInputs) -> tuple[torch.Tensor, ...]:
         arrays = (si.token_ids, si.positions, si.slot_mapping, si.block_tables, si.logit_indices, si.context_starts)
-        out = tuple(_on_device(a, self.device) for a in arrays)
+        out = tuple(host_to_device(a, self.device) for a in arrays)
         si.feed(out[0])         # (on the CPU, into the host's array itself: it then holds the real tokens)
         return out
 
@@ -308,14 +309,6 @@ class ModelRunner:
                 h = _first(out)
         head = graph_name(HEAD, kind, T, logit_rows=logit_idx.shape[0])
         return _first(self._call(kind, HEAD, head, h, logit_idx, self.layer_weights[HEAD][0]))
-
-
-def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device`; on a GPU through pinned memory, asynchronously: a copy from pageable memory first
-    waits for everything queued on the stream (six such waits a step launched without a CUDA graph, and with
-    overlapped scheduling, for the chained step)."""
-    t = torch.from_numpy(a)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def _first(out):

@@ -56,7 +56,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if drawn:
         ps = [seqs[i].params for i in drawn]
-        at = _on(logits.device, drawn, torch.int64)
+        at = host_to_device(drawn, logits.device, torch.int64)
         picks = sample_rows(logits if len(drawn) == len(seqs) else logits[at], [p.temperature for p in ps],
                             [p.top_k for p in ps], [p.top_p for p in ps], [seqs[i].generator for i in drawn],
                             sync=False)
@@ -66,11 +66,12 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return tokens
 
 
-def _on(dev: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A few host values as a tensor on `dev`. On a GPU through pinned memory, copied asynchronously: a copy from
-    pageable memory waits for everything queued on the stream first (a chained step: Engine's overlap)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+def host_to_device(values, dev: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values (a list, a numpy array) as a tensor on `dev`. On a GPU through pinned memory, copied
+    asynchronously: a copy from pageable memory first waits for everything queued on the stream (with overlapped
+    scheduling, the chained step; a step launched without a CUDA graph made six such waits)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:
@@ -98,9 +99,9 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[in
     candidates, chosen on the device, instead of the host looking first (the same tokens, a sort more)."""
     m, V = logits.shape
     dev = logits.device
-    u = _on(dev, [float(torch.rand((), generator=g)) for g in generators], torch.float32)
+    u = host_to_device([float(torch.rand((), generator=g)) for g in generators], dev, torch.float32)
     # softmax and topk take the row's maximum out themselves: no shifted copy of the rows
-    x = logits.float() / _on(dev, temperatures, torch.float32)[:, None]
+    x = logits.float() / host_to_device(temperatures, dev, torch.float32)[:, None]
     probs = x.softmax(dim=-1)
     floor = torch.full((m,), float("-inf"), device=dev)          # per row, the smallest logit it keeps
     # by path: top-k, over the row's k largest (k); top-p alone, over the CANDIDATES largest (-1), or the whole
@@ -111,7 +112,7 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[in
             groups.setdefault(k if 0 < k < V else -1 if CANDIDATES < V else V, []).append(i)
     whole = groups.pop(V, [])
     for path, rows in groups.items():
-        at = _on(dev, rows, torch.int64)
+        at = host_to_device(rows, dev, torch.int64)
         xs = x if len(rows) == m else x[at]          # one path for the whole batch: no copy of its rows
         vals, ids = xs.topk(CANDIDATES if path < 0 else path, dim=-1)
         ps = [top_ps[i] for i in rows]
@@ -125,7 +126,7 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[in
         else:
             within = (probs if len(rows) == m else probs[at]).gather(1, ids)
             # the candidates' total as _nucleus_floor sums them (cumsum: in double on the CPU, where sum() is not)
-            reached = within.cumsum(dim=-1)[:, -1] >= _on(dev, ps, torch.float32)
+            reached = within.cumsum(dim=-1)[:, -1] >= host_to_device(ps, dev, torch.float32)
             floor[at] = _nucleus_floor(vals, within, ps)
             if not sync:                             # every row's whole-row floor, taken where it is needed
                 wv, wi = xs.sort(dim=-1, descending=True)
@@ -135,7 +136,7 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[in
                 whole += at[~reached].tolist()
     if whole:
         whole.sort()
-        at = _on(dev, whole, torch.int64)
+        at = host_to_device(whole, dev, torch.int64)
         vals, ids = x[at].sort(dim=-1, descending=True)
         floor[at] = _nucleus_floor(vals, probs[at].gather(1, ids), [top_ps[i] for i in whole])
     return _draw(probs.masked_fill(x < floor[:, None], 0.0), u)
@@ -147,7 +148,7 @@ def _nucleus_floor(vals: torch.Tensor, probs: torch.Tensor, top_ps: list[float])
     -inf for rows with p >= 1."""
     if all(p >= 1.0 for p in top_ps):
         return torch.full(vals.shape[:1], float("-inf"), device=vals.device)
-    p = _on(vals.device, top_ps, torch.float32)[:, None]
+    p = host_to_device(top_ps, vals.device, torch.float32)[:, None]
     before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))    # mass ahead of each position
     last = ((before < p).sum(dim=-1, keepdim=True) - 1).clamp_(0, vals.shape[-1] - 1)
     return torch.where(p[:, 0] < 1.0, vals.gather(1, last)[:, 0], float("-inf"))
