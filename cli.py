@@ -88,6 +88,11 @@ def _env_int(name: str) -> int | None:
               help="grouped: exact grouped GEMMs (cpu, eager, cuda); static: capacity-grouped prefill with a dense "
                    "rerun on overflow, dense/gather decode (what Neuron takes). auto: static on neuron or with "
                    "--moe-capacity, else grouped.")
+@click.option("--shared-experts", type=click.Choice(["auto", "grouped", "separate"]), default="auto",
+              show_default=True,
+              help="grouped: each rank's shared experts become more groups of the routed experts' grouped GEMMs "
+                   "(needs --moe-path grouped and n_shared_experts divisible by --ep); separate: their own MLP. "
+                   "auto: grouped wherever it can be.")
 @click.option("--shape-only", is_flag=True, help="Compile from config.json alone (no weights, nothing to run).")
 @click.option("--device-memory", type=float, default=None, help="GiB per rank; refuse layouts that do not fit.")
 @click.option("--neuron-target", type=click.Choice(["trn1", "trn2", "inf2"]), default=None)
@@ -106,7 +111,7 @@ def _env_int(name: str) -> int | None:
 @_errors
 def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep, decode_buckets, prefill_buckets, context_buckets,
                  context_limit, block_size, num_kv_blocks, moe_capacity, capacity_factor, moe_decode_path,
-                 moe_path, shape_only, device_memory, neuron_target, cache_dir, jobs, keep_going, region_marks, check_lock,
+                 moe_path, shared_experts, shape_only, device_memory, neuron_target, cache_dir, jobs, keep_going, region_marks, check_lock,
                  update_lock):
     """Trace and compile a DeepSeek-V3 checkpoint's graphs ahead of time into an artifact directory."""
     from .compile.driver import compile_artifact
@@ -121,7 +126,8 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
         cp=cp, ep=ep, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
         context_buckets="auto" if context_buckets == "auto" else _buckets(None, None, context_buckets),
         context_limit=context_limit, block_size=block_size, num_kv_blocks=num_kv_blocks, moe_capacity=moe_capacity,
-        capacity_factor=capacity_factor, moe_decode_path=moe_decode_path, moe_path=moe_path, shape_only=shape_only,
+        capacity_factor=capacity_factor, moe_decode_path=moe_decode_path, moe_path=moe_path,
+        shared_experts=shared_experts, shape_only=shape_only,
         device_memory=None if device_memory is None else _gib(device_memory),
         neuron_target=neuron_target, cache_dir=cache_dir, keep_going=keep_going, jobs=jobs, region_marks=region_marks)
     from .compile.lock import read_lock

@@ -54,6 +54,9 @@ class CompileConfig:
     # --region-marks: timing points between each layer graph's parts (attention, MoE or MLP, collectives) for
     # DEEPINFER_REGION_TIMING; None: no marks, absent from the JSON like weight_dtype.
     region_marks: bool | None = field(default=None, metadata={"omit_if_none": True})
+    # --shared-experts grouped: each rank's shared experts are more groups of the routed experts' weights and GEMMs
+    # (one grouped GEMM a projection for all of a layer's experts); None: a separate MLP, absent from the JSON.
+    shared_experts_grouped: bool | None = field(default=None, metadata={"omit_if_none": True})
 
     @property
     def weights_dtype(self) -> str:
@@ -63,6 +66,10 @@ class CompileConfig:
     @property
     def world(self) -> int:
         return max(self.cp, self.ep)
+
+    def shared_groups(self, m) -> int:
+        """Shared experts each rank holds as groups of its experts' weights (0: a separate MLP)."""
+        return m.n_shared_experts // self.ep if self.shared_experts_grouped else 0
 
     @property
     def kv_blocks_per_rank(self) -> int:

@@ -376,11 +376,11 @@ def _activation_bytes(m: ModelConfig, p: GraphPlan, elt: int) -> int:
     if s.context:
         rows = s.rows
         attn = rows * s.context * m.kv_cache_dim * elt + 2 * T * H * s.context * 4 + T * H * m.kv_cache_dim * 4
-    E, I = s.local_experts, m.moe_intermediate_size
+    E, I = s.expert_groups, m.moe_intermediate_size
     if s.moe_path == "grouped":
-        experts = T * m.num_experts_per_tok * (3 * I + 2 * D) * 4        # sorted pairs: x, gate/up, down
+        experts = T * (m.num_experts_per_tok + s.shared_groups) * (3 * I + 2 * D) * 4   # sorted pairs: x, gate/up, down
     elif s.kind == DECODE:
-        experts = (E * T if s.moe_path == "dense" else T * m.num_experts_per_tok) * (3 * I + D) * 4
+        experts = (E * T if s.moe_path == "dense" else T * (m.num_experts_per_tok + s.shared_groups)) * (3 * I + D) * 4
     else:
         experts = E * max(s.capacity, 1) * (3 * I + D) * 4 + E * T * (3 * I + D) * 4  # capacity + dense rerun
     dense = 3 * T * m.intermediate_size * elt
@@ -437,7 +437,9 @@ def _describe(o: CompileOptions, m: ModelConfig, cc, n_graphs: int) -> str:
              f"  moe path         {cc.moe_path}"
              + ("" if cc.moe_path == "grouped" else
                 f" (capacity {', '.join(map(str, cc.moe_capacity)) or '-'}"
-                f"{f', factor {cc.capacity_factor}' if cc.capacity_factor else ''}; decode {cc.moe_decode_path})"),
+                f"{f', factor {cc.capacity_factor}' if cc.capacity_factor else ''}; decode {cc.moe_decode_path})")
+             + (f"; shared experts as {cc.shared_groups(m)} more group(s) of each rank's grouped GEMMs"
+                if cc.shared_experts_grouped else ""),
              f"  context buckets  {', '.join(map(str, cc.context_buckets))} (limit {cc.context_limit})",
              f"  kv pool          {cc.num_kv_blocks} blocks x {cc.block_size} tokens "
              f"({cc.kv_blocks_per_rank} per rank)",

@@ -36,7 +36,8 @@ def plan_graphs(m: ModelConfig, cc: CompileConfig) -> list[GraphPlan]:
         specs.setdefault(name, RegionSpec(m, region, kind, tokens, context, cc.block_size, cc.cp, cc.ep,
                                           cc.world, capacity, moe_path(m, cc, kind, tokens), logit_rows,
                                           small_gemm_rows(cc), cc.dtype, cc.matmul_dtype == "bfloat16",
-                                          ir_family(cc.backend) == "cuda", bool(cc.region_marks)))
+                                          ir_family(cc.backend) == "cuda", bool(cc.region_marks),
+                                          cc.shared_groups(m)))
 
     layers = ([DENSE_LAYER] if m.num_moe_layers < m.num_hidden_layers else []) + ([MOE_LAYER] if m.num_moe_layers else [])
     for T in cc.decode_buckets:
@@ -124,7 +125,7 @@ def _plan(name: str, spec: RegionSpec, cc: CompileConfig) -> GraphPlan:
             inputs.append(TensorSpec("context_starts", (T,), i64))
         outputs = (("hidden", "h_mid", "overflow") if spec.region == MOE_LAYER and spec.moe_path == "capacity"
                    else ("hidden",))
-    keys = region_weight_keys(m, spec.region, cc.cp, cc.ep, cc.world)
+    keys = region_weight_keys(m, spec.region, cc.cp, cc.ep, cc.world, bool(cc.shared_experts_grouped))
     shapes = _weight_shapes(m, cc)
     return GraphPlan(
         name=name, spec=spec, inputs=tuple(inputs),
@@ -140,6 +141,7 @@ def _weight_shapes(m: ModelConfig, cc: CompileConfig) -> dict[str, tuple[tuple[i
     dn, dr, dv, kvr = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
     E, I = m.n_routed_experts // cc.ep, m.moe_intermediate_size
     Is = m.n_shared_experts * I // cc.ep
+    G = E + cc.shared_groups(m)                  # the experts' weights: routed, then shared ones grouped
     s = {
         "embed": ((m.vocab_size, D), wt), "norm": ((D,), dt), "lm_head": ((m.vocab_size, D), wt),
         "rope.inv_freq": ((dr // 2,), "float32"), "rank.expert_ids": ((E,), "int64"), "rank.cp_rank": ((), "int64"),
@@ -149,7 +151,7 @@ def _weight_shapes(m: ModelConfig, cc: CompileConfig) -> dict[str, tuple[tuple[i
         "attn.w_uk": ((H, dn, kvr), wt), "attn.w_uv": ((H, dv, kvr), wt), "attn.o_proj": ((D, H * dv), wt),
         "mlp.gate_up": ((2 * m.intermediate_size, D), wt), "mlp.down": ((D, m.intermediate_size), wt),
         "moe.router_weight": ((m.n_routed_experts, D), "float32"), "moe.router_bias": ((m.n_routed_experts,), "float32"),
-        "moe.experts_gate_up": ((E, 2 * I, D), wt), "moe.experts_down": ((E, D, I), wt),
+        "moe.experts_gate_up": ((G, 2 * I, D), wt), "moe.experts_down": ((G, D, I), wt),
         "moe.shared_gate_up": ((2 * Is, D), wt), "moe.shared_down": ((D, Is), wt),
     }
     if m.q_lora_rank is not None:

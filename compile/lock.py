@@ -26,9 +26,10 @@ def lock_key(m: Manifest) -> str:
     dtype = cc.dtype + (f"/weights={cc.weight_dtype}" if cc.weight_dtype else "")
     dtype += f"/matmul={cc.matmul_dtype}" if cc.matmul_dtype else ""
     dtype += "/region-marks" if cc.region_marks else ""
+    moe = cc.moe_path + ("+shared" if cc.shared_experts_grouped else "")
     return (f"{m.name}@{model} cp={cc.cp} ep={cc.ep} {dtype} decode={list(cc.decode_buckets)} "
             f"prefill={list(cc.prefill_buckets)} ctx={list(cc.context_buckets)} bs={cc.block_size} "
-            f"kv={cc.num_kv_blocks} cap={list(cc.moe_capacity)} moe={cc.moe_path}/{cc.moe_decode_path} "
+            f"kv={cc.num_kv_blocks} cap={list(cc.moe_capacity)} moe={moe}/{cc.moe_decode_path} "
             f"ir={ir_family(cc.backend)}")
 
 

@@ -10,6 +10,7 @@ no branches on data: everything a branch could depend on is static in `RegionSpe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -46,6 +47,7 @@ class RegionSpec:
     bf16_products: bool = False  # CPU, --matmul-dtype bfloat16: multi-row products read bf16 operands (`linear`)
     fp32_result_bmm: bool = False  # cuda: decode scores from bf16 operands in one GEMM with fp32 results (`scores_bmm`)
     region_marks: bool = False   # --region-marks: timing points between a layer's parts (`mark`)
+    shared_groups: int = 0     # --shared-experts grouped: this rank's shared experts, as groups after its routed ones
 
     @property
     def cpu_forms(self) -> bool:
@@ -54,7 +56,13 @@ class RegionSpec:
 
     @property
     def local_experts(self) -> int:
+        """Routed experts on this rank."""
         return self.model.n_routed_experts // self.ep
+
+    @property
+    def expert_groups(self) -> int:
+        """Groups of the experts' weights on this rank: its routed experts, then any shared ones."""
+        return self.local_experts + self.shared_groups
 
     @property
     def rows(self) -> int:
@@ -459,11 +467,18 @@ def experts_grouped(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weight
                     w: Weights, real: torch.Tensor | None = None) -> torch.Tensor:
     """Exact grouped experts: the (token, choice) pairs routed to this rank's experts, sorted by expert, go
     through one grouped GEMM per projection; each pair is computed once and nothing can overflow. Pairs of other
-    ranks' experts and of padding tokens sort last and are not computed. -> [T, D] fp32."""
+    ranks' experts and of padding tokens sort last and are not computed. With the shared experts as groups
+    (spec.shared_groups) every token also has a pair with each of this rank's. -> [T, D] fp32."""
     T, K = ids.shape
     E, D = spec.local_experts, x.shape[-1]
     local = (ids - w["rank.expert_ids"][0]).reshape(-1)                      # [T*K], token-major
     mine = (local >= 0) & (local < E)
+    if spec.shared_groups:   # every token's pairs go on with one per local shared expert (groups E.., weight 1)
+        S = spec.shared_groups
+        local = torch.cat([local.view(T, K), torch.arange(E, E + S, device=x.device).expand(T, S)], 1).reshape(-1)
+        mine = torch.cat([mine.view(T, K), torch.ones(T, S, dtype=torch.bool, device=x.device)], 1).reshape(-1)
+        weights = torch.cat([weights, torch.ones(T, S, dtype=weights.dtype, device=x.device)], 1)
+        K, E = K + S, E + S
     if real is not None:
         mine = mine & real[:, None].expand(T, K).reshape(-1)
     group = torch.where(mine, local, torch.full_like(local, E))              # E: not computed here
@@ -491,10 +506,18 @@ def experts_grouped(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weight
 
 def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
         real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routed + shared experts of one layer, summed over EP ranks. x [T, D] normed -> ([T, D], overflow)."""
+    """Routed + shared experts of one layer, summed over EP ranks. x [T, D] normed -> ([T, D], overflow). Shared
+    experts as groups of the experts' weights (`spec.shared_groups`) are more pairs of every token on the grouped
+    path, and their own MLPs (on slices of those weights) on the others."""
     m = spec.model
     ids, weights = route(m, x, w)
     overflow = torch.zeros((), dtype=torch.bool, device=x.device)
+    shared = []              # the shared experts as groups, for the paths that run them apart
+    if spec.shared_groups and path != "grouped":
+        E, gu, dn = spec.local_experts, w["moe.experts_gate_up"], w["moe.experts_down"]
+        shared = [(gu[g], dn[g]) for g in range(E, spec.expert_groups)]
+        w = dict(w, **{"moe.experts_gate_up": gu[:E], "moe.experts_down": dn[:E]})
+        spec = dataclasses.replace(spec, shared_groups=0)
     if path == "grouped":
         routed = experts_grouped(spec, x, ids, weights, w, real)
     elif path == "capacity":
@@ -503,7 +526,9 @@ def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
         routed = experts_gather(spec, x, ids, weights, w)
     else:
         routed = experts_dense(spec, x, ids, weights, w)
-    if m.n_shared_experts:
+    for gate_up, down in shared:             # on the CPU at batch 1 the gathered path with them as more pairs ran
+        routed = routed + swiglu(spec, x, gate_up, down).float()   # 0.92-0.95x (demo model), so apart
+    if m.n_shared_experts and "moe.shared_gate_up" in w:
         routed = routed + swiglu(spec, x, w["moe.shared_gate_up"], w["moe.shared_down"]).float()
     out = comm.ep_all_reduce_sum(routed, w) if spec.ep > 1 else routed
     if path == "capacity" and spec.ep > 1:

@@ -36,6 +36,7 @@ class CompileOptions:
     capacity_factor: float = 2.0
     moe_decode_path: str = "auto"
     moe_path: str = "auto"               # grouped | static | auto (static on neuron or with --moe-capacity)
+    shared_experts: str = "auto"         # grouped | separate | auto (`shared_experts_grouped`)
     shape_only: bool = False
     device_memory: int | None = None     # bytes per rank; refuse layouts that do not fit
     neuron_target: str | None = None
@@ -155,6 +156,8 @@ def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) 
         if o.moe_capacity is not None:
             raise OptionError("--moe-capacity: only for --moe-path static (this is --moe-path grouped)")
 
+    shared_grouped = _shared_experts_grouped(o, m, moe_path)
+
     K, E = m.num_experts_per_tok, m.n_routed_experts
     caps, factor = (), None                      # the grouped path has no capacity
     if moe_path == "static" and o.moe_capacity is not None:
@@ -169,7 +172,35 @@ def resolve(o: CompileOptions, m: ModelConfig, stored_dtype: str | None = None) 
                          prefill_buckets=prefill, context_buckets=ctx, context_limit=limit,
                          block_size=o.block_size, num_kv_blocks=nkv, moe_capacity=caps, capacity_factor=factor,
                          moe_decode_path=path, moe_path=moe_path, neuron_target=o.neuron_target,
-                         weight_dtype=weight_dtype, matmul_dtype=matmul_dtype, region_marks=o.region_marks or None)
+                         weight_dtype=weight_dtype, matmul_dtype=matmul_dtype, region_marks=o.region_marks or None,
+                         shared_experts_grouped=shared_grouped or None)
+
+
+def _shared_experts_grouped(o: CompileOptions, m: ModelConfig, moe_path: str) -> bool:
+    """Whether the shared experts become groups of the routed experts' grouped GEMMs (--shared-experts).
+
+    Each shared expert is an MLP of the routed experts' shape (moe_intermediate_size), and the shared MLP is their
+    sum: its gate/up rows and down columns split into n_shared_experts slices of that size. Grouped, every token's
+    pairs include one per shared expert (weight 1), so a MoE layer runs one grouped GEMM a projection where it ran
+    that and one GEMM a projection of the shared MLP: on the GPU at batch 1 the shared MLP's were two more M=1
+    GEMMs a layer (its weights a third of the layer's bytes). It needs the grouped path (a capacity would have to
+    hold every token) and whole shared experts on every EP rank (n_shared_experts divisible by --ep). Graphs on
+    other paths (the CPU's gathered decode at batch 1) run them apart, on slices of the same weights. On the CPU
+    (demo model, 2 AVX2 cores, the two forms' artifacts taking turns in one process) a 16-sequence decode step ran
+    1.04-1.08x faster grouped over three runs of 10-20 rounds; batch 1 the same (1.035x, within noise).
+    auto: grouped wherever it can be."""
+    if o.shared_experts not in ("auto", "grouped", "separate"):
+        raise OptionError(f"--shared-experts={o.shared_experts!r} must be auto, grouped or separate")
+    if o.shared_experts == "separate" or not m.n_shared_experts:
+        return False
+    why = None
+    if moe_path != "grouped":
+        why = f"it needs the grouped MoE path (this compile's is {moe_path})"
+    elif m.n_shared_experts % o.ep:
+        why = f"n_shared_experts={m.n_shared_experts} is not divisible by --ep={o.ep} (each rank holds whole ones)"
+    if o.shared_experts == "grouped" and why:
+        raise OptionError(f"--shared-experts grouped: {why}")
+    return why is None
 
 
 def _buckets(flag: str, values: tuple[int, ...], limit: int) -> tuple[int, ...]:

@@ -37,13 +37,14 @@ def attn_keys(m: ModelConfig, cp: int) -> list[str]:
     return keys + (["rank.cp_rank"] if cp > 1 else [])
 
 
-def moe_keys(m: ModelConfig, ep: int, world: int) -> list[str]:
+def moe_keys(m: ModelConfig, ep: int, world: int, shared_grouped: bool = False) -> list[str]:
     keys = ["moe.router_weight", "moe.router_bias", "moe.experts_gate_up", "moe.experts_down", "rank.expert_ids"]
-    keys += ["moe.shared_gate_up", "moe.shared_down"] if m.n_shared_experts else []
+    keys += ["moe.shared_gate_up", "moe.shared_down"] if m.n_shared_experts and not shared_grouped else []
     return keys + (["rank.ep_weight"] if 1 < ep < world else [])
 
 
-def region_weight_keys(m: ModelConfig, region: str, cp: int, ep: int = 1, world: int = 1) -> list[str]:
+def region_weight_keys(m: ModelConfig, region: str, cp: int, ep: int = 1, world: int = 1,
+                       shared_grouped: bool = False) -> list[str]:
     if region == EMBED:
         return ["embed"]
     if region == HEAD:
@@ -51,9 +52,9 @@ def region_weight_keys(m: ModelConfig, region: str, cp: int, ep: int = 1, world:
     if region == DENSE_LAYER:
         return attn_keys(m, cp) + ["mlp.gate_up", "mlp.down"]
     if region == MOE_LAYER:
-        return attn_keys(m, cp) + moe_keys(m, ep, world)
+        return attn_keys(m, cp) + moe_keys(m, ep, world, shared_grouped)
     if region == MOE_DENSE:
-        return ["post_attention_layernorm"] + moe_keys(m, ep, world)
+        return ["post_attention_layernorm"] + moe_keys(m, ep, world, shared_grouped)
     raise ValueError(region)
 
 
@@ -82,6 +83,7 @@ def shard_specs(m: ModelConfig, cc: CompileConfig, rank: RankLayout) -> list[Wei
     I, E_first, E_last = m.moe_intermediate_size, rank.experts[0], rank.experts[1]
     E = E_last - E_first
     s0, s1 = rank.shared_slice
+    S = cc.shared_groups(m)
     specs: list[WeightSpec] = []
 
     def add(name: str, shape: tuple[int, ...], dtype: torch.dtype, fn: Callable[[Checkpoint], torch.Tensor]):
@@ -130,6 +132,12 @@ def shard_specs(m: ModelConfig, cc: CompileConfig, rank: RankLayout) -> list[Wei
         add(L + "moe.router_weight", (m.n_routed_experts, D), f32, hf(p + "mlp.gate.weight", (m.n_routed_experts, D)))
         add(L + "moe.router_bias", (m.n_routed_experts,), f32,
             hf(p + "mlp.gate.e_score_correction_bias", (m.n_routed_experts,)))
+        if S:      # --shared-experts grouped: this rank's shared experts as more groups, after its routed ones
+            add(L + "moe.experts_gate_up", (E + S, 2 * I, D), wdt, lambda ck, p=p: torch.cat(
+                [_experts_gate_up(ck, p, m, E_first, E_last), _shared_gate_up(ck, p, m, s0, s1)]))
+            add(L + "moe.experts_down", (E + S, D, I), wdt, lambda ck, p=p: torch.cat(
+                [_experts_down(ck, p, m, E_first, E_last), _shared_down(ck, p, m, s0, s1)]))
+            continue
         add(L + "moe.experts_gate_up", (E, 2 * I, D), wdt, lambda ck, p=p: _experts_gate_up(ck, p, m, E_first, E_last))
         add(L + "moe.experts_down", (E, D, I), wdt, lambda ck, p=p: _experts_down(ck, p, m, E_first, E_last))
         if m.n_shared_experts:
@@ -149,6 +157,22 @@ def _experts_gate_up(ck: Checkpoint, p: str, m: ModelConfig, e0: int, e1: int) -
         return ck.get(fused, (m.n_routed_experts, 2 * I, D))[e0:e1]
     return torch.stack([torch.cat([ck.get(f"{p}mlp.experts.{e}.gate_proj.weight", (I, D)),
                                    ck.get(f"{p}mlp.experts.{e}.up_proj.weight", (I, D))]) for e in range(e0, e1)])
+
+
+def _shared_gate_up(ck: Checkpoint, p: str, m: ModelConfig, s0: int, s1: int) -> torch.Tensor:
+    """The shared MLP's intermediate slice [s0, s1) as (s1 - s0) / I experts' gate/up weights [S, 2I, D]: the
+    shared MLP is the sum of such slices' MLPs, each of a routed expert's shape."""
+    D, I, Is = m.hidden_size, m.moe_intermediate_size, m.n_shared_experts * m.moe_intermediate_size
+    sh = p + "mlp.shared_experts."
+    g, u = (ck.get(sh + name, (Is, D))[s0:s1].view(-1, I, D) for name in ("gate_proj.weight", "up_proj.weight"))
+    return torch.cat([g, u], 1)
+
+
+def _shared_down(ck: Checkpoint, p: str, m: ModelConfig, s0: int, s1: int) -> torch.Tensor:
+    """The shared MLP's down projection's columns [s0, s1) as (s1 - s0) / I experts' [S, D, I]."""
+    D, I, Is = m.hidden_size, m.moe_intermediate_size, m.n_shared_experts * m.moe_intermediate_size
+    down = ck.get(p + "mlp.shared_experts.down_proj.weight", (D, Is))[:, s0:s1]
+    return down.reshape(D, -1, I).transpose(0, 1).contiguous()
 
 
 def _experts_down(ck: Checkpoint, p: str, m: ModelConfig, e0: int, e1: int) -> torch.Tensor:

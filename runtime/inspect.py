@@ -26,7 +26,8 @@ def describe(root: str | Path) -> str:
            f"compile    dtype {cc.dtype}{f' (weight matrices {cc.weight_dtype})' if cc.weight_dtype else ''}"
            f"{f', {cc.matmul_dtype} products (multi-row)' if cc.matmul_dtype else ''}, decode buckets {list(cc.decode_buckets)}, prefill buckets "
            f"{list(cc.prefill_buckets)}, moe {cc.moe_path}"
-           f"{'' if cc.moe_path == 'grouped' else f' (capacity {list(cc.moe_capacity)})'}, context buckets "
+           f"{'' if cc.moe_path == 'grouped' else f' (capacity {list(cc.moe_capacity)})'}"
+           f"{', shared experts as groups' if cc.shared_experts_grouped else ''}, context buckets "
            f"{list(cc.context_buckets)}, limit {cc.context_limit}{', region marks' if cc.region_marks else ''}",
            f"kv pool    {cc.num_kv_blocks} blocks x {cc.block_size} tokens x {mc.kv_cache_dim} "
            f"(latent {mc.kv_lora_rank} + rope {mc.qk_rope_head_dim}) x {mc.num_hidden_layers} layers",

@@ -294,6 +294,9 @@ def test_tokenizer_is_loaded_at_compile(checkpoints, tmp_path):
     (dict(matmul_dtype="bfloat16", weight_dtype="float32"), "only as bfloat16 products under float32 math, with bfloat16 weights"),
     (dict(matmul_dtype="float32", dtype="bfloat16", backend="cuda"), "--matmul-dtype=float32 with --dtype=bfloat16"),
     (dict(region_marks=True, backend="neuron", neuron_target="trn2"), "--region-marks: a Neuron graph runs on the device"),
+    (dict(shared_experts="fused"), "--shared-experts='fused' must be auto, grouped or separate"),
+    (dict(shared_experts="grouped", moe_path="static"), "--shared-experts grouped: it needs the grouped MoE path"),
+    (dict(shared_experts="grouped", ep=2), "--shared-experts grouped: n_shared_experts=1 is not divisible by --ep=2"),
 ])
 def test_bad_options_are_refused(checkpoints, kw, message):
     m = ModelConfig.from_file(checkpoints["base"] / "config.json")
@@ -417,6 +420,38 @@ def test_region_marks_in_manifest_lock_key_and_specs(checkpoints):
     assert "/region-marks" in key(marked) and "region-marks" not in key(plain)
 
 
+@pytest.mark.parametrize("kw,grouped", [
+    (dict(), True),                                      # auto: grouped wherever it can be
+    (dict(backend="cuda"), True),
+    (dict(backend="cuda", ep=2), False),                 # one shared expert cannot split over two ranks
+    (dict(moe_path="static"), False),
+    (dict(backend="neuron", neuron_target="trn2"), False),
+    (dict(shared_experts="separate"), False),
+    (dict(shared_experts="grouped", backend="eager"), True),
+])
+def test_shared_experts_resolution_manifest_lock_key_and_shapes(checkpoints, kw, grouped):
+    """--shared-experts: resolved as documented, recorded in the manifest only when grouped (manifests and hashes
+    as before otherwise), in the lock key, and in the graphs' specs and weight shapes."""
+    from types import SimpleNamespace
+    from deepinfer.common import serde
+    from deepinfer.compile.graphs import plan_graphs
+    from deepinfer.compile.lock import lock_key
+    m = ModelConfig.from_file(checkpoints["base"] / "config.json")
+    cc = resolve(CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128, **kw), m)
+    assert bool(cc.shared_experts_grouped) == grouped
+    assert ("shared_experts_grouped" in serde.dumps(cc)) == grouped
+    assert serde.loads(type(cc), serde.dumps(cc), "compile") == cc
+    assert ("+shared" in lock_key(SimpleNamespace(name="x", model=m, compile=cc))) == grouped
+    E = m.n_routed_experts // cc.ep
+    for p in plan_graphs(m, cc):
+        if p.spec.region != "moe_layer":
+            continue
+        assert p.spec.shared_groups == (1 if grouped else 0)
+        shapes = {w.key: w.shape for w in p.weights}
+        assert shapes["moe.experts_gate_up"][0] == E + p.spec.shared_groups
+        assert ("moe.shared_gate_up" in shapes) != grouped
+
+
 def test_stored_matrix_dtype(checkpoints, bf16_checkpoint):
     from deepinfer.compile.checkpoint import Checkpoint
     assert Checkpoint(bf16_checkpoint).stored_matrix_dtype() == "bfloat16"
@@ -459,3 +494,19 @@ def test_an_out_that_is_not_an_artifact_is_refused_before_any_work(checkpoints, 
                              log=lambda s: None)
     assert sorted(p.name for p in ck.iterdir()) == sorted(p.name for p in checkpoints["base"].iterdir())
     assert (tmp_path / "mine" / "weights" / "notes.txt").read_text() == "keep me"
+
+
+def test_inspect_describes_the_artifact(checkpoints, compile_artifact):
+    """deepinfer-inspect: the resolved compile (the shared experts' form among it), one row per rank with its
+    experts and shared slice, and every graph with its hash."""
+    from deepinfer.common.manifest import Manifest
+    from deepinfer.runtime.inspect import describe
+    for kw, shared in ((dict(), True), (dict(cp=2, ep=2), False)):
+        art = compile_artifact(checkpoints["base"], **kw)
+        text, m = describe(art), Manifest.read(art)
+        assert ("shared experts as groups" in text) == shared
+        assert f"world {m.layout.world} = max(cp {m.layout.cp}, ep {m.layout.ep})" in text
+        for r in m.layout.ranks:
+            assert f"[{r.experts[0]:>4},{r.experts[1]:>4})  [{r.shared_slice[0]:>5},{r.shared_slice[1]:>5})" in text
+        for g in m.graphs:
+            assert f"{g.graph_hash[:16]}  {g.file}" in text

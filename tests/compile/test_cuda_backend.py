@@ -82,6 +82,7 @@ def test_cuda_artifact_compiled_at_load_matches_transformers(checkpoints, compil
                            context_limit=64, context_buckets=())
     m = Manifest.read(art)
     assert m.toolchain.backend == "cuda" and all(g.file.endswith(".ep.pt2") for g in m.graphs)
+    assert m.compile.shared_experts_grouped          # auto: the shared expert is a group of the experts
     engine = Engine.from_artifact(art, device="cpu")
     hf = hf_model(checkpoints["base"])
     for prompt in ([7, 8, 9], list(range(5, 40))):

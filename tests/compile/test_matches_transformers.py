@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -26,13 +28,16 @@ def prompt_of(n: int, seed: int, vocab: int = 320) -> list[int]:
 TOL_BF16_PRODUCTS = 3e-2
 
 
-@pytest.mark.parametrize("variant", [*VARIANTS, "bf16_weights", "bf16_weights_static", "bf16_products"])
+@pytest.mark.parametrize("variant", [*VARIANTS, "bf16_weights", "bf16_weights_static", "bf16_products",
+                                     "shared_separate"])
 def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, compile_artifact):
     """Every graph kind against transformers in float32. bf16_weights: a bf16 checkpoint served with bf16
     weight matrices and float32 math, against transformers' float32 on the same (widened) weights: as exact;
     with a 128-token prefill bucket (GEMMs past the small-GEMM rows), and on the static MoE path with a capacity
     of 2 (every prefill chunk overflows: capacity, dense decode and the dense rerun all meet bf16 weights).
-    bf16_products: --matmul-dtype bfloat16, within the bf16 rounding (TOL_BF16_PRODUCTS) and not exact."""
+    bf16_products: --matmul-dtype bfloat16, within the bf16 rounding (TOL_BF16_PRODUCTS) and not exact.
+    The other variants take --shared-experts auto: the shared experts as more groups of the experts' GEMMs on the
+    grouped path (decode at T=4 and prefill; T=1 gathered runs them apart); shared_separate: their own MLP."""
     if variant == "bf16_products":
         ck = bf16_checkpoint
         art = open_artifact(compile_artifact(ck, matmul_dtype="bfloat16", prefill_buckets=(32, 128)))
@@ -44,9 +49,16 @@ def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, comp
         dtypes = {w.key: w.dtype for g in art.manifest.graphs for w in g.weights}
         assert dtypes["moe.experts_down"] == dtypes["attn.o_proj"] == dtypes["embed"] == "bfloat16"
         assert dtypes["input_layernorm"] == dtypes["moe.router_weight"] == "float32"
+    elif variant == "shared_separate":
+        ck = checkpoints["two_dense_yarn"]                  # n_shared_experts=2
+        art = open_artifact(compile_artifact(ck, shared_experts="separate"))
+        shapes = {w.key: w.shape for g in art.manifest.graphs for w in g.weights}
+        assert shapes["moe.experts_gate_up"][0] == 8 and "moe.shared_down" in shapes
     else:
         ck = checkpoints[variant]
         art = open_artifact(compile_artifact(ck))
+        shapes = {w.key: w.shape for g in art.manifest.graphs for w in g.weights}
+        assert shapes["moe.experts_gate_up"][0] == 8 + json.loads((ck / "config.json").read_text())["n_shared_experts"]
     cc = art.manifest.compile
     hf = hf_model(ck)
     runner = make_runner(art, rank=0)

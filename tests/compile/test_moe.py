@@ -3,6 +3,7 @@ capacity-grouped == dense when nothing overflows, and an overflow is flagged and
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import subprocess
@@ -14,8 +15,8 @@ import torch
 
 from checkpoints import hf_greedy, hf_logits, hf_model
 from deepinfer.common.model_config import ModelConfig
-from deepinfer.compile.model import (RegionSpec, experts_capacity, experts_dense, experts_gather, experts_grouped,
-                                     route)
+from deepinfer.compile.model import (SINGLE_RANK, RegionSpec, experts_capacity, experts_dense, experts_gather,
+                                     experts_grouped, moe, route)
 from deepinfer.runtime import ops
 from deepinfer.runtime.artifact import open_artifact
 from deepinfer.runtime.engine import Engine, make_runner
@@ -140,6 +141,59 @@ def test_grouped_expert_parallel_shares_sum_to_dense(checkpoints):
         total += experts_grouped(RegionSpec(m, "moe_layer", "decode", 24, 0, 16, ep=2, world=2,
                                             moe_path="grouped"), x, ids, weights, wr)
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
+
+
+def _shared_weights(m, w, S, seed=7):
+    """w with S shared experts as one MLP (moe.shared_*) and, separately, as S more expert groups (split as
+    compile/weights.py splits a checkpoint's shared MLP)."""
+    g = torch.Generator().manual_seed(seed)
+    D, I = m.hidden_size, m.moe_intermediate_size
+    gate, up, down = (torch.randn(S * I, D, generator=g) * 0.1, torch.randn(S * I, D, generator=g) * 0.1,
+                      torch.randn(D, S * I, generator=g) * 0.1)
+    separate = dict(w, **{"moe.shared_gate_up": torch.cat([gate, up]), "moe.shared_down": down})
+    groups_gu = torch.cat([gate.view(S, I, D), up.view(S, I, D)], 1)
+    groups_down = down.reshape(D, S, I).transpose(0, 1)
+    grouped = dict(w, **{"moe.experts_gate_up": torch.cat([w["moe.experts_gate_up"], groups_gu]),
+                         "moe.experts_down": torch.cat([w["moe.experts_down"], groups_down])})
+    return separate, grouped
+
+
+@pytest.mark.parametrize("path,T", [("dense", 3), ("gather", 1), ("grouped", 1), ("grouped", 5), ("grouped", 24)])
+@pytest.mark.parametrize("S", [1, 2])
+def test_shared_experts_as_groups_equal_the_shared_mlp(checkpoints, path, T, S):
+    """--shared-experts grouped: the shared experts as S more groups (every token's pair, weight 1) give the layer's
+    MoE output of the separate shared MLP, on every path that takes them; padding rows stay uncomputed."""
+    m, w, x = _setup(checkpoints, T=T, seed=10 + T)
+    m = dataclasses.replace(m, n_shared_experts=S)
+    separate, grouped = _shared_weights(m, w, S)
+    real = torch.arange(T) < max(1, T - 2) if path == "grouped" else None
+    spec = RegionSpec(m, "moe_layer", "decode", T, 0, 16, moe_path=path)
+    want, _ = moe(spec, x, separate, SINGLE_RANK, path, real)
+    got, _ = moe(dataclasses.replace(spec, shared_groups=S), x, grouped, SINGLE_RANK, path, real)
+    n = int(real.sum()) if real is not None else T
+    torch.testing.assert_close(got[:n], want[:n], rtol=1e-5, atol=1e-6)
+    if real is not None and n < T:
+        assert torch.count_nonzero(got[n:]) == 0
+
+
+def test_shared_expert_groups_split_over_expert_parallel_ranks(checkpoints):
+    """Two shared experts over two EP ranks: each rank holds its routed half and one shared expert as a group; the
+    ranks' outputs sum to the single rank's with the shared MLP."""
+    m, w, x = _setup(checkpoints, T=12, seed=21)
+    m = dataclasses.replace(m, n_shared_experts=2)
+    separate, grouped = _shared_weights(m, w, 2)
+    want, _ = moe(RegionSpec(m, "moe_layer", "decode", 12, 0, 16, moe_path="grouped"), x, separate, SINGLE_RANK,
+                  "grouped")
+    E, total = m.n_routed_experts, torch.zeros_like(want, dtype=torch.float32)
+    for r in range(2):
+        lo, hi = r * E // 2, (r + 1) * E // 2
+        keep = list(range(lo, hi)) + [E + r]
+        wr = dict(grouped, **{"moe.experts_gate_up": grouped["moe.experts_gate_up"][keep],
+                              "moe.experts_down": grouped["moe.experts_down"][keep],
+                              "rank.expert_ids": torch.arange(lo, hi)})
+        spec = RegionSpec(m, "moe_layer", "decode", 12, 0, 16, ep=2, world=2, moe_path="grouped", shared_groups=1)
+        total += moe(spec, x, wr, SINGLE_RANK, "grouped")[0].float()
+    torch.testing.assert_close(total, want.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_skips_padding(checkpoints):

@@ -177,6 +177,31 @@ def test_per_rank_shards_hold_only_their_experts(checkpoints, compile_artifact):
         assert f.get_slice("layers.1.moe.shared_down").get_shape()[1] == 16     # shared expert split in two
 
 
+def test_shared_experts_as_groups_over_expert_parallel_ranks_match_single_rank(checkpoints, compile_artifact):
+    """--shared-experts grouped with two shared experts over two EP ranks: each rank's shard holds its routed
+    experts and one shared expert as groups, and the logits and greedy tokens are the single rank's with the
+    shared MLP apart."""
+    from safetensors import safe_open
+    ck = checkpoints["two_dense_yarn"]
+    single = Engine.from_artifact(compile_artifact(ck))
+    prompt = list(range(3, 3 + 45))
+    ref_logits = logits_of_steps(single, prompt, STEPS)
+    ref_tokens = [s.output_ids for s in single.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))]
+    art = compile_artifact(ck, ep=2, shared_experts="grouped")
+    for w in Manifest.read(art).weights:
+        f = safe_open(str(art / w.path), "pt")
+        assert f.get_slice("layers.2.moe.experts_gate_up").get_shape()[0] == 4 + 1
+        assert "layers.2.moe.shared_down" not in f.keys()
+    engine = Engine.from_artifact(art)
+    try:
+        for got, want in zip(logits_of_steps(engine, prompt, STEPS), ref_logits):
+            assert rel_err(got, want) <= 1e-5
+        tokens = [s.output_ids for s in engine.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))]
+        assert tokens == ref_tokens
+    finally:
+        engine.close()
+
+
 def test_killed_follower_stops_the_leader_with_a_clear_error(checkpoints, compile_artifact):
     art = compile_artifact(checkpoints["base"], cp=2, ep=2)
     # far more work than the wait below covers (one 120-token prompt once finished inside it on a fast machine,
