@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..common.manifest import DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER
 from ..common.model_config import ModelConfig
 from ..runtime import ops  # noqa: F401  (registers torch.ops.deepinfer.grouped_mm, rows_linear, paged_mla_decode)
-from ..runtime.ops import MARK_CONTINUE, MARK_PARTS
+from ..runtime.ops import KERNEL_MAX_ROWS_PER_GROUP, MARK_CONTINUE, MARK_PARTS
 
 Weights = dict[str, torch.Tensor]
 
@@ -504,16 +504,29 @@ def experts_grouped(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weight
     return y.view(T, K, D).sum(1)
 
 
+def shared_in_grouped(spec: RegionSpec) -> bool:
+    """Whether a grouped-path graph runs its shared experts as pairs of its grouped GEMMs. On the GPU always. On the
+    CPU only while the GEMM stays on the hand-written few-rows kernel, which takes it at up to
+    KERNEL_MAX_ROWS_PER_GROUP rows a group on average (runtime/ops.py): a prefill chunk's shared experts, the whole
+    chunk's rows each, would tip its routed experts onto MKL's GEMM per group (demo model, 256-token chunks:
+    prefill 1.77x transformers' rate against 2.2-2.3x in the runs before)."""
+    if not spec.cpu_forms:
+        return True
+    m = spec.model
+    pairs = spec.tokens * m.num_experts_per_tok // spec.ep + spec.tokens * spec.shared_groups   # on average
+    return pairs <= KERNEL_MAX_ROWS_PER_GROUP * spec.expert_groups
+
+
 def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
         real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed + shared experts of one layer, summed over EP ranks. x [T, D] normed -> ([T, D], overflow). Shared
     experts as groups of the experts' weights (`spec.shared_groups`) are more pairs of every token on the grouped
-    path, and their own MLPs (on slices of those weights) on the others."""
+    path (`shared_in_grouped`), and elsewhere their own MLPs on slices of those weights."""
     m = spec.model
     ids, weights = route(m, x, w)
     overflow = torch.zeros((), dtype=torch.bool, device=x.device)
-    shared = []              # the shared experts as groups, for the paths that run them apart
-    if spec.shared_groups and path != "grouped":
+    shared = []              # the shared experts as groups, for the graphs that run them apart
+    if spec.shared_groups and not (path == "grouped" and shared_in_grouped(spec)):
         E, gu, dn = spec.local_experts, w["moe.experts_gate_up"], w["moe.experts_down"]
         shared = [(gu[g], dn[g]) for g in range(E, spec.expert_groups)]
         w = dict(w, **{"moe.experts_gate_up": gu[:E], "moe.experts_down": dn[:E]})
