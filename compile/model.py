@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ..common.manifest import DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_LAYER
 from ..common.model_config import ModelConfig
 from ..runtime import ops  # noqa: F401  (registers torch.ops.deepinfer.grouped_mm, rows_linear, paged_mla_decode)
+from ..runtime.cuda_kernels import MAX_ROWS as GPU_KERNEL_MAX_ROWS
 from ..runtime.ops import KERNEL_MAX_ROWS_PER_GROUP, MARK_CONTINUE, MARK_PARTS
 
 Weights = dict[str, torch.Tensor]
@@ -505,16 +506,21 @@ def experts_grouped(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weight
 
 
 def shared_in_grouped(spec: RegionSpec) -> bool:
-    """Whether a grouped-path graph runs its shared experts as pairs of its grouped GEMMs. On the GPU always. On the
-    CPU only while the GEMM stays on the hand-written few-rows kernel, which takes it at up to
-    KERNEL_MAX_ROWS_PER_GROUP rows a group on average (runtime/ops.py): a prefill chunk's shared experts, the whole
-    chunk's rows each, would tip its routed experts onto MKL's GEMM per group (demo model, 256-token chunks:
-    prefill 1.77x transformers' rate against 2.2-2.3x in the runs before)."""
-    if not spec.cpu_forms:
-        return True
+    """Whether a grouped-path graph runs its shared experts as pairs of its grouped GEMMs: unless they would tip the
+    GEMM off the kernel its routed pairs take (the pairs counted on average over the EP ranks; fixed at compile
+    time, so by the AVX2 kernel's bounds on every CPU).
+    - CPU: the hand-written few-rows kernel takes up to KERNEL_MAX_ROWS_PER_GROUP rows a group on average
+      (runtime/ops.py). A 256-token prefill chunk's shared experts, the whole chunk's rows each, tipped the demo
+      model's routed experts onto MKL's GEMM per group (prefill 1.77x transformers' rate against 2.2-2.3x before).
+    - GPU: the Triton kernel takes up to GPU_KERNEL_MAX_ROWS rows (runtime/cuda_kernels.py); past them
+      torch._grouped_mm, which the routed pairs alone might not have needed (DeepSeek-V3, top-8 and one shared
+      expert, at 32 tokens: 256 pairs, 288 with it)."""
     m = spec.model
-    pairs = spec.tokens * m.num_experts_per_tok // spec.ep + spec.tokens * spec.shared_groups   # on average
-    return pairs <= KERNEL_MAX_ROWS_PER_GROUP * spec.expert_groups
+    routed = spec.tokens * m.num_experts_per_tok // spec.ep
+    pairs = routed + spec.tokens * spec.shared_groups
+    if spec.cpu_forms:
+        return pairs <= KERNEL_MAX_ROWS_PER_GROUP * spec.expert_groups
+    return pairs <= GPU_KERNEL_MAX_ROWS or routed > GPU_KERNEL_MAX_ROWS
 
 
 def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
@@ -526,6 +532,7 @@ def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
     ids, weights = route(m, x, w)
     overflow = torch.zeros((), dtype=torch.bool, device=x.device)
     shared = []              # the shared experts as groups, for the graphs that run them apart
+    separate_mlp = m.n_shared_experts and not spec.shared_groups
     if spec.shared_groups and not (path == "grouped" and shared_in_grouped(spec)):
         E, gu, dn = spec.local_experts, w["moe.experts_gate_up"], w["moe.experts_down"]
         shared = [(gu[g], dn[g]) for g in range(E, spec.expert_groups)]
@@ -541,7 +548,7 @@ def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
         routed = experts_dense(spec, x, ids, weights, w)
     for gate_up, down in shared:             # on the CPU at batch 1 the gathered path with them as more pairs ran
         routed = routed + swiglu(spec, x, gate_up, down).float()   # 0.92-0.95x (demo model), so apart
-    if m.n_shared_experts and "moe.shared_gate_up" in w:
+    if separate_mlp:
         routed = routed + swiglu(spec, x, w["moe.shared_gate_up"], w["moe.shared_down"]).float()
     out = comm.ep_all_reduce_sum(routed, w) if spec.ep > 1 else routed
     if path == "capacity" and spec.ep > 1:

@@ -185,8 +185,8 @@ def _shared_experts_grouped(o: CompileOptions, m: ModelConfig, moe_path: str) ->
     that and one GEMM a projection of the shared MLP: on the GPU at batch 1 the shared MLP's were two more M=1
     GEMMs a layer (its weights a third of the layer's bytes). It needs the grouped path (a capacity would have to
     hold every token) and whole shared experts on every EP rank (n_shared_experts divisible by --ep). Graphs on
-    other paths (the CPU's gathered decode at batch 1), and CPU graphs whose grouped GEMM they would tip off the
-    few-rows kernel (prefill chunks: `model.shared_in_grouped`), run them apart, on slices of the same weights. On the CPU
+    other paths (the CPU's gathered decode at batch 1), and grouped graphs whose GEMM they would tip off the
+    kernel the routed pairs take (`model.shared_in_grouped`), run them apart, on slices of the same weights. On the CPU
     (demo model, 2 AVX2 cores, the two forms' artifacts taking turns in one process) a 16-sequence decode step ran
     1.04-1.08x faster grouped over three runs of 10-20 rounds; batch 1 the same (1.035x, within noise).
     auto: grouped wherever it can be."""

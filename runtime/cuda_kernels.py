@@ -17,8 +17,9 @@ import functools
 
 import torch
 
-# At most this many rows (routed pairs) take the kernel: a batch-32 decode step's 192 pairs do, a prefill
-# chunk's thousands keep torch._grouped_mm, whose tiles are made for them.
+# At most this many rows (routed pairs) take the kernel: a batch-32 decode step's 192 pairs do (256 with V2-Lite's two
+# shared experts as groups: --shared-experts), a prefill chunk's thousands keep torch._grouped_mm, whose tiles are
+# made for them.
 MAX_ROWS = 256
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128       # 16: tl.dot's smallest M tile; a group's rows loop over M tiles
 NUM_WARPS, NUM_STAGES = 4, 4

@@ -181,6 +181,20 @@ def test_shared_experts_as_groups_equal_the_shared_mlp(checkpoints, path, T, cpu
         assert torch.count_nonzero(got[n:]) == 0
 
 
+@pytest.mark.parametrize("T,cpu,expected", [(16, False, True), (32, False, False), (64, False, True),
+                                             (64, True, True), (96, True, False)])
+def test_shared_experts_stay_in_grouped_gemm_only_on_its_kernel(checkpoints, T, cpu, expected):
+    """Top-8 routing and one shared expert (as DeepSeek-V3; 8 experts here): on the GPU the shared pairs join the
+    grouped GEMM unless they push it past the Triton kernel's 256 rows (32 tokens: 256 routed pairs, 288 with
+    them), and do when the routed pairs alone are past it; on the CPU while the rows stay within the few-rows
+    kernel's 64 a group on average (9 groups: 576)."""
+    m = ModelConfig.from_file(checkpoints["base"] / "config.json")
+    m = dataclasses.replace(m, num_experts_per_tok=8, n_shared_experts=1)
+    spec = RegionSpec(m, "moe_layer", "decode", T, 0, 16, moe_path="grouped", shared_groups=1,
+                      small_gemm_rows=64 if cpu else 0)
+    assert shared_in_grouped(spec) == expected
+
+
 def test_shared_expert_groups_split_over_expert_parallel_ranks(checkpoints):
     """Two shared experts over two EP ranks: each rank holds its routed half and one shared expert as a group; the
     ranks' outputs sum to the single rank's with the shared MLP."""

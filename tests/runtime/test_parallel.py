@@ -183,7 +183,7 @@ def test_shared_experts_as_groups_over_expert_parallel_ranks_match_single_rank(c
     shared MLP apart."""
     from safetensors import safe_open
     ck = checkpoints["two_dense_yarn"]
-    single = Engine.from_artifact(compile_artifact(ck))
+    single = Engine.from_artifact(compile_artifact(ck, shared_experts="separate"))
     prompt = list(range(3, 3 + 45))
     ref_logits = logits_of_steps(single, prompt, STEPS)
     ref_tokens = [s.output_ids for s in single.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))]
