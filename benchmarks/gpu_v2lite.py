@@ -67,7 +67,7 @@ class StateDictCheckpoint:
 
 
 def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: tuple[int, ...],
-          context: tuple[int, ...], limit: int, region_marks: bool = False):
+          context: tuple[int, ...], limit: int, region_marks: bool = False, shared_experts: str = "auto"):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     from deepinfer.common.manifest import SCHEMA_VERSION, GraphEntry, Manifest, Toolchain
     from deepinfer.common.model_config import ModelConfig
@@ -96,7 +96,8 @@ def build(cfg_dict: dict, dev: torch.device, decode: tuple[int, ...], prefill: t
                           # limit's bucket only, every decode step would read 2112 keys' latents a layer; a prefill
                           # bucket and a context bucket for each TTFT prompt, so each is one chunk over its own keys
                           decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, context_limit=limit,
-                          num_kv_blocks=(limit // 16) * max(decode), region_marks=region_marks)
+                          num_kv_blocks=(limit // 16) * max(decode), region_marks=region_marks,
+                          shared_experts=shared_experts)
     cc = resolve(opts, m)
     layout = make_layout(m, cc)
     ck = StateDictCheckpoint(dict(hf.state_dict()))
@@ -429,6 +430,9 @@ def main() -> None:
     ap.add_argument("--region-marks", action="store_true",
                     help="a profiling build (compile --region-marks): the region timing splits each layer into "
                          "attention, MoE or MLP; the table's rows then carry the marks' copies (a small kernel each)")
+    ap.add_argument("--shared-experts", default="auto", choices=("auto", "grouped", "separate"),
+                    help="compile --shared-experts: auto groups V2-Lite's two shared experts with the routed ones; "
+                         "separate keeps their MLP (an A/B in a second run)")
     args = ap.parse_args()
     faulthandler.enable()            # a crash in native code still prints where it was
     import_deepinfer()
@@ -451,7 +455,7 @@ def main() -> None:
     try:
         hf, engine, m = build(cfg, dev, decode=tuple(batches), prefill=ttft_lens,
                               context=tuple(sorted({128, *ttft_lens[:-1]})), limit=max(ttft_lens) + 64,
-                              region_marks=args.region_marks)
+                              region_marks=args.region_marks, shared_experts=args.shared_experts)
         bw, roof = roofline(m, dev, batches)
     except BaseException as e:
         write([f"build failed after {time.monotonic() - t0:.0f} s: {type(e).__name__}: {e}"])
@@ -463,7 +467,9 @@ def main() -> None:
     ref = None if args.skip_hf else Transformers(hf, dev, m.vocab_size, args.tokens)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     lines = [f"{name}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s, {m.num_hidden_layers} layers, "
-             f"{m.n_routed_experts} experts top-{m.num_experts_per_tok}, bf16 random weights"
+             f"{m.n_routed_experts} experts top-{m.num_experts_per_tok}, "
+             f"{'shared experts as groups' if engine.manifest.compile.shared_experts_grouped else 'shared MLP apart'}, "
+             "bf16 random weights"
              + (f", transformers with {ref.note}" if ref else ""), "",
              "| metric | deepinfer (cuda) | transformers | speedup | roofline |", "| --- | ---: | ---: | ---: | ---: |"]
 
