@@ -10,9 +10,8 @@ no branches on data: everything a branch could depend on is static in `RegionSpe
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -531,13 +530,16 @@ def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
     m = spec.model
     ids, weights = route(m, x, w)
     overflow = torch.zeros((), dtype=torch.bool, device=x.device)
-    shared = []              # the shared experts as groups, for the graphs that run them apart
-    separate_mlp = m.n_shared_experts and not spec.shared_groups
-    if spec.shared_groups and not (path == "grouped" and shared_in_grouped(spec)):
+    shared = []              # (gate_up, down) of each shared MLP that is not pairs of the grouped GEMM
+    if not spec.shared_groups:
+        shared = [(w["moe.shared_gate_up"], w["moe.shared_down"])] if m.n_shared_experts else []
+    elif not (path == "grouped" and shared_in_grouped(spec)):
+        # apart, on slices of the groups' weights (on the CPU at batch 1 the gathered path with them as more pairs
+        # ran 0.92-0.95x, demo model)
         E, gu, dn = spec.local_experts, w["moe.experts_gate_up"], w["moe.experts_down"]
         shared = [(gu[g], dn[g]) for g in range(E, spec.expert_groups)]
         w = dict(w, **{"moe.experts_gate_up": gu[:E], "moe.experts_down": dn[:E]})
-        spec = dataclasses.replace(spec, shared_groups=0)
+        spec = replace(spec, shared_groups=0)
     if path == "grouped":
         routed = experts_grouped(spec, x, ids, weights, w, real)
     elif path == "capacity":
@@ -546,10 +548,8 @@ def moe(spec: RegionSpec, x: torch.Tensor, w: Weights, comm: Comm, path: str,
         routed = experts_gather(spec, x, ids, weights, w)
     else:
         routed = experts_dense(spec, x, ids, weights, w)
-    for gate_up, down in shared:             # on the CPU at batch 1 the gathered path with them as more pairs ran
-        routed = routed + swiglu(spec, x, gate_up, down).float()   # 0.92-0.95x (demo model), so apart
-    if separate_mlp:
-        routed = routed + swiglu(spec, x, w["moe.shared_gate_up"], w["moe.shared_down"]).float()
+    for gate_up, down in shared:
+        routed = routed + swiglu(spec, x, gate_up, down).float()
     out = comm.ep_all_reduce_sum(routed, w) if spec.ep > 1 else routed
     if path == "capacity" and spec.ep > 1:
         overflow = comm.ep_all_reduce_max(overflow.to(torch.int32)) > 0
