@@ -3,6 +3,9 @@ here; CUDA-graph replay of decode steps needs a GPU and is exercised by benchmar
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,26 @@ def test_cuda_artifact_compiled_at_load_matches_transformers(checkpoints, compil
     for prompt in ([7, 8, 9], list(range(5, 40))):
         got = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].output_ids
         assert got == hf_greedy(hf, prompt, 12)
+
+
+def test_the_gpu_benchmark_runs_whole_on_the_cpu(tmp_path):
+    """benchmarks/gpu_v2lite.py is all a lent GPU's few minutes run, so its code path is kept working here: at
+    --tiny size on the CPU it builds the model, runs every row for both engines, the correctness check (its fp32
+    reference one layer at a time) and the region timing, and writes the table."""
+    out = tmp_path / "table.md"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_v2lite.py"
+    r = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--tokens", "4", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = out.read_text()
+    rows = [line for line in table.splitlines() if line.startswith(("| TPOT", "| TTFT"))]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| TPOT batch 1", "| TTFT 64 tokens", "| TPOT batch 4", "| TTFT 256 tokens",
+        "| TPOT batch 4, temperature 0.7 top-p 0.9"]
+    for row in rows:                        # ours, transformers', the ratio: all measured
+        ours, theirs, ratio = row.split(" | ")[1:4]
+        assert ours.endswith(" ms") and theirs.endswith(" ms") and ratio.endswith("x"), row
+    check = re.search(r"ours \(bf16\) \|d\| median ([0-9.]+), worst [0-9.]+, over 0.05 (\d+)/32", table)
+    assert check, table
+    assert float(check.group(1)) < 0.05 and int(check.group(2)) <= 16, check.group(0)
+    assert "step kind  region" in table
