@@ -324,26 +324,39 @@ def fp32_logits(hf, x: torch.Tensor) -> torch.Tensor:
     """transformers' last-position logits in fp32 on its bf16 weights: the embedding, final norm and head in fp32
     for the pass and each decoder layer in fp32 only while it runs (hooks), so the pass needs one layer's fp32 copy
     beside the bf16 weights, not the whole model's (63 GB more at V2-Lite size: past an H100's 80 GB with both
-    engines' weights there); its eager experts (the grouped_mm path is meant for bf16). Every module is put back in
-    bf16 afterwards, as new tensors: our weights, some shared with its bf16 parameters, are untouched, and
-    bf16 -> fp32 -> bf16 is exact."""
+    engines' weights there); its eager experts (the grouped_mm path is meant for bf16). Each module gets its own
+    bf16 tensors back afterwards (the same storage: ours, some shared with them, are untouched, and no copy stays)."""
+    saved: dict[torch.nn.Module, list[tuple[dict, str, torch.Tensor]]] = {}
+
+    def widen(mod: torch.nn.Module, *_) -> None:
+        kept = saved.setdefault(mod, [])
+        for sub in mod.modules():
+            for store in (sub._parameters, sub._buffers):
+                for name, t in store.items():
+                    if t is not None and t.dtype == torch.bfloat16:
+                        kept.append((store, name, t))
+                        store[name] = (torch.nn.Parameter(t.float(), requires_grad=False)
+                                       if isinstance(t, torch.nn.Parameter) else t.float())
+
+    def restore(mod: torch.nn.Module, *_) -> None:
+        for store, name, t in saved.pop(mod, []):
+            store[name] = t
     experts = hf.get_experts_implementation() if hasattr(hf, "get_experts_implementation") else None
-    outer = [hf.model.embed_tokens, hf.model.norm, hf.lm_head]
+    outer = (hf.model.embed_tokens, hf.model.norm, hf.lm_head)
     hooks = []
     try:
         for mod in outer:
-            mod.float()
+            widen(mod)
         for layer in hf.model.layers:       # the hooks return None: the layer's inputs and outputs pass unchanged
-            hooks.append(layer.register_forward_pre_hook(lambda mod, args: (mod.float(), None)[1]))
-            hooks.append(layer.register_forward_hook(lambda mod, args, out: (mod.to(torch.bfloat16), None)[1]))
+            hooks += [layer.register_forward_pre_hook(widen), layer.register_forward_hook(restore)]
         if experts is not None:
             hf.set_experts_implementation("eager")
         return hf(x, logits_to_keep=1).logits[:, -1].float()
     finally:
         for h in hooks:
             h.remove()
-        for mod in [*outer, *hf.model.layers]:      # a layer an error left in fp32 too
-            mod.to(torch.bfloat16)
+        for mod in list(saved):             # the outer modules, and a layer an error left widened
+            restore(mod)
         if experts is not None:
             hf.set_experts_implementation(experts)
 
