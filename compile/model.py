@@ -192,6 +192,11 @@ def linear(spec: RegionSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (as_compute(w, x) * x).sum(-1)[None]
     if spec.bf16_products and x.shape[0] > 1 and w.dtype == torch.bfloat16:
         return bf16_linear(spec, x, w)
+    if spec.small_gemm_rows and x.dtype == torch.bfloat16:
+        # --dtype bfloat16 (CPU): every product through the op, which runs torch's bf16 GEMM only where the CPU has
+        # bf16 dot products; elsewhere, as bf16 hardware computes it, on the widened operands (exact products, fp32
+        # sums, one rounding): torch's bf16 GEMM there runs 30-70x under the fp32 rate
+        return torch.ops.deepinfer.rows_linear(x, as_compute(w, x))
     if spec.small_gemm_rows and (x.shape[0] <= spec.small_gemm_rows or w.numel() >= ROWS_LINEAR_MIN_WEIGHT):
         return torch.ops.deepinfer.rows_linear(x, w)
     return F.linear(x, as_compute(w, x))
@@ -284,8 +289,13 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
     mask = ~valid[:, None, :]                                                 # [T, 1, C]
     if spec.kind == DECODE:
         # Absorbed: fold W_UK into q, score against the latent cache, apply W_UV after the softmax.
-        q_lat = torch.einsum("thd,hdc->thc", q_nope, as_compute(w["attn.w_uk"], x))
-        q_abs = torch.cat([q_lat, q_pe], dim=-1)                                          # [T, H, Dc]
+        # CPU graphs with bf16 activations (--dtype bfloat16) take the absorption and the attention in fp32: the
+        # kernels' fp32 forms, where torch's bf16 GEMMs run 30-70x under the fp32 rate on CPUs without bf16 dot
+        # products (and fp32 scores are what the other backends compute too, below)
+        wide = spec.cpu_forms and x.dtype == torch.bfloat16
+        qn, wq = (q_nope.float(), w["attn.w_uk"].float()) if wide else (q_nope, as_compute(w["attn.w_uk"], x))
+        q_lat = torch.einsum("thd,hdc->thc", qn, wq)
+        q_abs = torch.cat([q_lat, q_pe.float() if wide else q_pe], dim=-1)                # [T, H, Dc]
         if spec.cpu_forms:
             # The paged decode attention op: the CPU kernel reads only each token's valid keys, where they lie in
             # the pool (no [T, C, Dc] gather of the whole bucket, no [T, H, C] scores round trip). `mid` model,
@@ -306,7 +316,8 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
             scores = scores.mul(m.softmax_scale).masked_fill(mask, float("-inf"))
             c_ctx = ctx[..., :kvr]
             o_lat = _attend(spec, scores, lambda p: torch.bmm(p.to(c_ctx.dtype), c_ctx).float(), comm)
-        o = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), as_compute(w["attn.w_uv"], x))
+        o = (torch.einsum("thc,hvc->thv", o_lat.float(), w["attn.w_uv"].float()).to(x.dtype) if wide
+             else torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), as_compute(w["attn.w_uv"], x)))
     else:
         # Prefill chunk: expand the packed context's latents to per-head keys and values once (cheaper than
         # the absorbed form when many queries share one context, and transformers' own form). Head-major
@@ -320,12 +331,19 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         # products and the fp32 GEMM of the widened operands elsewhere (the same sums): baked in as bf16 GEMMs they
         # ran 30-70x under the fp32 rate on an AVX2 CPU (the demo model's 256-token chunk 13 -> 65 ms).
         bf16 = spec.bf16_products and w["attn.w_uk"].dtype == torch.bfloat16
-        mm = (lambda eq, a, b: torch.ops.deepinfer.bf16_einsum(eq, a, b)) if bf16 else torch.einsum
+        # bf16 products, and CPU graphs' bf16 activations (--dtype bfloat16) where the kernel path below does not
+        # run (context parallelism), through the op that picks the bf16 GEMM's form at run time
+        narrow = bf16 or (spec.cpu_forms and x.dtype == torch.bfloat16)
+        mm = (lambda eq, a, b: torch.ops.deepinfer.bf16_einsum(eq, a, b)) if narrow else torch.einsum
         ctx = kv_cache[tbl[0]].flatten(0, 1)                                             # [C, Dc]
         if spec.cpu_forms and spec.cp == 1 and not bf16:
             # The CPU prefill attention op: each block of queries scored against only the keys it sees (the
             # causal half of the bucket is never computed), token-major throughout. The demo model's 256-token
-            # chunk: attention 0.68 -> 0.27 ms a layer (2 threads, Zen 3).
+            # chunk: attention 0.68 -> 0.27 ms a layer (2 threads, Zen 3). With bf16 activations (--dtype
+            # bfloat16) its operands are widened first: the op's kernel is fp32, and torch's bf16 GEMMs run
+            # 30-70x under the fp32 rate on CPUs without bf16 dot products.
+            if x.dtype == torch.bfloat16:
+                ctx, q_nope, q_pe = ctx.float(), q_nope.float(), q_pe.float()
             c_ctx, k_pe_ctx = ctx[:, :kvr], ctx[:, kvr:]
             k_nope = torch.einsum("cl,hdl->chd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))   # [C, H, dn]
             k = torch.cat([k_nope, k_pe_ctx[:, None, :].expand(-1, H, dr)], dim=-1)         # [C, H, dn + dr]
@@ -341,7 +359,7 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         k = torch.cat([k_nope, k_pe_ctx[None].expand(H, -1, dr)], dim=-1)              # [H, C, dn + dr]
         v = mm("cl,hvl->hcv", c_ctx, as_compute(w["attn.w_uv"], c_ctx))                  # [H, C, dv]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)                             # [H, T, dn + dr]
-        if bf16:
+        if narrow:
             q = q.to(torch.bfloat16)
             scores = mm("htd,hcd->htc", q, k)
             weighted = lambda p: mm("htc,hcv->htv", p.to(v.dtype), v).float()           # noqa: E731
@@ -425,10 +443,13 @@ def experts_gather(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weights
     local = ids - w["rank.expert_ids"][0]
     mine = (local >= 0) & (local < E)
     idx = torch.where(mine, local, torch.zeros_like(local)).reshape(-1)       # [T*K]
-    xk = x[:, None, :].expand(T, K, x.shape[-1]).reshape(T * K, -1, 1)
-    gu = torch.bmm(as_compute(w["moe.experts_gate_up"][idx], x), xk).squeeze(-1)   # [T*K, 2I]
+    # CPU graphs with bf16 activations: fp32 products (torch's bf16 GEMMs run 30-70x under the fp32 rate on CPUs
+    # without bf16 dot products), as mla_attention's
+    xc = x.float() if spec.cpu_forms and x.dtype == torch.bfloat16 else x
+    xk = xc[:, None, :].expand(T, K, x.shape[-1]).reshape(T * K, -1, 1)
+    gu = torch.bmm(as_compute(w["moe.experts_gate_up"][idx], xc), xk).squeeze(-1)   # [T*K, 2I]
     g, u = gu.chunk(2, dim=-1)
-    y = torch.bmm(as_compute(w["moe.experts_down"][idx], x), (F.silu(g) * u)[:, :, None]).squeeze(-1)   # [T*K, D]
+    y = torch.bmm(as_compute(w["moe.experts_down"][idx], xc), (F.silu(g) * u)[:, :, None]).squeeze(-1)   # [T*K, D]
     coef = torch.where(mine, weights, torch.zeros_like(weights)).reshape(-1, 1)
     return (y.float() * coef).view(T, K, -1).sum(1)
 

@@ -32,6 +32,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     sync, so it stays CUDA-graph safe). On CUDA, decode-sized row counts take a Triton kernel instead
     (runtime/cuda_kernels.py: 1.6-3.2x torch._grouped_mm's speed for V2-Lite experts on the H200, same results);
     on the CPU, few rows a group take the hand-written kernel (`_few_rows_kernel`)."""
+    if _widen_bf16(x, w):
+        return grouped_mm(x.float(), w, offs).to(torch.bfloat16)
     if _few_rows_kernel(x, w, offs):
         return torch.ops.deepinfer_cpu.grouped_rows_mm(x, w.transpose(1, 2), offs)
     from . import cuda_kernels
@@ -106,6 +108,13 @@ def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.new_empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
 
 
+def _widen_bf16(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """bf16 operands on a CPU without bf16 dot products: the ops' Python bodies then compute as the C++ ones do,
+    on the widened rows (exact products, fp32 sums), rounded to bf16 once; torch's bf16 GEMMs there run 30-70x
+    under the fp32 rate."""
+    return x.device.type == "cpu" and x.dtype == w.dtype == torch.bfloat16 and not cpu_has_bf16_dot()
+
+
 def cpu_has_bf16_dot() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), where torch's bf16 GEMMs are fast."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -147,6 +156,8 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if cuda_kernels.skinny_available(x, w):
             return cuda_kernels.linear_for(x, w)(x, w)
         return torch.nn.functional.linear(x, w.to(x.dtype))
+    if _widen_bf16(x, w):
+        return rows_linear(x.float(), w).to(torch.bfloat16)
     few = x.shape[0] <= KERNEL_MAX_ROWS_PER_GROUP
     if _kernel_runs(x, w) and (few or torch.ops.deepinfer_cpu.avx512_form()
                                or (x.shape[1] % 8 == 0 and torch.ops.deepinfer_cpu.panel_form())):
@@ -217,7 +228,7 @@ def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     What CPU decode graphs call (`compile.model.mla_attention`): the hand-written kernel
     (runtime/csrc/paged_mla_decode.cpp) reads each token's keys where they lie in the pool; without it, the
     gather + two batched GEMMs below, the form the other backends' graphs inline."""
-    if kv_cache.dtype == torch.float32 and _kernel_runs(q, kv_cache):
+    if kv_cache.dtype in (torch.float32, torch.bfloat16) and _kernel_runs(q, kv_cache):
         return torch.ops.deepinfer_cpu.paged_mla_decode(q, kv_cache, block_tables, valid, kv_lora_rank, scale)
     return paged_mla_decode_torch(q, kv_cache, block_tables, valid, kv_lora_rank, scale)
 
@@ -312,7 +323,7 @@ def _few_rows_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> bo
 
 def _kernel_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The hand-written kernels take fp32 CPU activations and fp32 or bf16 weights, where they were built
-    (runtime/cpu_kernels.py). The paged attention kernel's pool must be fp32: its caller checks that too."""
+    (runtime/cpu_kernels.py). The paged attention kernel's pool, fp32 or bf16: its caller checks that too."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype not in (torch.float32, torch.bfloat16):
         return False
     from . import cpu_kernels

@@ -1,8 +1,9 @@
 // deepinfer_cpu::paged_mla_decode: absorbed multi-head latent attention for decode tokens, straight from the
-// paged latent pool, fp32, x86-64 AVX2 + FMA.
+// paged latent pool, fp32 math, x86-64 AVX2 + FMA.
 //
 //   q [T, H, Dc]            each token's absorbed query (W_UK folded into the nope part, then the rope part)
-//   kv_cache [NB, bs, Dc]   the latent pool: per slot the normed c_kv (first kv_lora_rank) and the roped k_pe
+//   kv_cache [NB, bs, Dc]   the latent pool: per slot the normed c_kv (first kv_lora_rank) and the roped k_pe;
+//                           fp32, or bf16 (--dtype bfloat16): a task widens its token's span of keys once
 //   block_tables [T, B]     each token's pool blocks, in key order (key c lives in block c / bs, slot c % bs)
 //   valid [T, B * bs]       which keys each token attends to (its own positions so far; with CP, those it owns)
 //   -> o [T, H, kv_lora_rank] = softmax(scale * q . k) . c_kv over the valid keys (zero where none is),
@@ -28,6 +29,15 @@ namespace {
 
 using deepinfer_simd::exp_nonpositive;
 using deepinfer_simd::hsum8;
+using deepinfer_simd::load_bf16;
+
+// n bf16 values widened to fp32 (exact).
+inline void widen_row(const at::BFloat16* src, int64_t n, float* dst) {
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16(p + i));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
 
 // Scores of NH heads x NK keys (NH * NK = 8) in one pass over Dc: s[h * ldc + k] = q[h] . key[k] (unscaled).
 template <int NH, int NK>
@@ -122,7 +132,8 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
                                                     const at::Tensor& valid_, int64_t L, double scale) {
   TORCH_CHECK(q_.device().is_cpu() && kv_.device().is_cpu() && tables_.device().is_cpu() && valid_.device().is_cpu(),
               "paged_mla_decode: CPU tensors only");
-  TORCH_CHECK(q_.scalar_type() == at::kFloat && kv_.scalar_type() == at::kFloat, "paged_mla_decode: fp32 only");
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && (kv_.scalar_type() == at::kFloat || kv_.scalar_type() == at::kBFloat16),
+              "paged_mla_decode: fp32 queries, an fp32 or bf16 pool");
   TORCH_CHECK(q_.dim() == 3 && kv_.dim() == 3 && tables_.dim() == 2 && valid_.dim() == 2,
               "paged_mla_decode: q [T, H, Dc], kv_cache [NB, bs, Dc], block_tables [T, B], valid [T, B * bs]");
   const at::Tensor q = q_.contiguous(), kv = kv_.contiguous();
@@ -136,7 +147,9 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
   at::Tensor o = at::zeros({T, H, L}, q.options());
   at::Tensor lse = at::empty({T, H}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kvp = kv.data_ptr<float>();
+  const bool narrow = kv.scalar_type() == at::kBFloat16;
+  const float* kvp = narrow ? nullptr : kv.data_ptr<float>();
+  const at::BFloat16* kvb = narrow ? kv.data_ptr<at::BFloat16>() : nullptr;
   const int64_t* tp = tables.data_ptr<int64_t>();
   const bool* vp = valid.data_ptr<bool>();
   float* op = o.data_ptr<float>();
@@ -154,6 +167,7 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
   at::parallel_for(0, T * slices, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(HS * C);  // head-major [HS][C]: scores, then probabilities
     std::vector<const float*> key_rows(C);
+    std::vector<float> widened;         // a bf16 pool: the task's span of keys in fp32, [c1 - c0][Dc]
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / slices, h0 = (task % slices) * HS;
       const float* qt = qp + (t * H + h0) * Dc;
@@ -168,7 +182,16 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
         for (int64_t h = 0; h < HS; ++h) lt[h] = neg_inf;
         continue;
       }
-      for (int64_t c = c0; c < c1; ++c) key_rows[c] = kvp + (tt[c / bs] * bs + c % bs) * Dc;
+      if (narrow) {
+        widened.resize((c1 - c0) * Dc);
+        for (int64_t c = c0; c < c1; ++c) {
+          float* row = widened.data() + (c - c0) * Dc;
+          widen_row(kvb + (tt[c / bs] * bs + c % bs) * Dc, Dc, row);
+          key_rows[c] = row;
+        }
+      } else {
+        for (int64_t c = c0; c < c1; ++c) key_rows[c] = kvp + (tt[c / bs] * bs + c % bs) * Dc;
+      }
       float* sc = scores.data();
       if (HS % 8 == 0) score_keys<8>(qt, key_rows.data(), c0, c1, HS, Dc, sc, C);
       else if (HS % 4 == 0) score_keys<4>(qt, key_rows.data(), c0, c1, HS, Dc, sc, C);
@@ -214,10 +237,11 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
   return {o, lse};
 }
 
-// deepinfer::paged_mla_decode on CPU: the kernel for fp32; other dtypes the graph form (gather, two bmm).
+// deepinfer::paged_mla_decode on CPU: the kernel for fp32 queries over an fp32 or bf16 pool; other dtypes the graph
+// form (gather, two bmm).
 std::tuple<at::Tensor, at::Tensor> paged_mla_decode_cpu(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                                                         const at::Tensor& valid, int64_t L, double scale) {
-  if (q.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat)
+  if (q.scalar_type() == at::kFloat && (kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16))
     return paged_mla_decode(q, kv, tables, valid, L, scale);
   const int64_t T = q.size(0);
   const at::Tensor ctx =

@@ -152,3 +152,37 @@ def test_a_damaged_compile_cache_entry_is_a_miss(tmp_path):
     cache.put("cd" * 32, ".aoti.pt2", src)
     cache.path("cd" * 32, ".aoti.pt2").with_suffix(".pt2.sha256").unlink()   # written before hashes were
     assert cache.get("cd" * 32, ".aoti.pt2") is None
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_bf16_activations_meet_no_bf16_gemm(cp):
+    """--dtype bfloat16 CPU graphs: every product goes through an op that picks its form at run time (rows_linear,
+    grouped_mm, bf16_einsum: torch's bf16 GEMM only where the CPU has bf16 dot products, else the fp32 GEMM of the
+    widened operands, rounded once) or runs in fp32 (the attention's absorptions and kernels, the gathered experts):
+    torch's bf16 GEMMs run 30-70x under the fp32 rate on CPUs without bf16 dot products (the demo model's 256-token
+    prefill chunk took 123 ms in bf16 against 12 in fp32). So no aten GEMM in any graph reads a bf16 operand; with CP
+    the prefill attention's torch form too (its products through bf16_einsum)."""
+    from pathlib import Path
+    from checkpoints import TINY
+    from deepinfer.common.model_config import ModelConfig
+    from deepinfer.compile.graphs import export_graph, plan_graphs
+    from deepinfer.compile.options import resolve
+    m = ModelConfig.from_hf_dict(dict(TINY, model_type="deepseek_v3"))
+    cc = resolve(CompileOptions(model=Path("tiny"), out=Path("unused"), backend="cpu", dtype="bfloat16", cp=cp,
+                                decode_buckets=(1, 4), prefill_buckets=(32,), context_limit=64, context_buckets=()), m)
+    gemms = ("aten.mm.", "aten.bmm.", "aten.addmm.", "aten.baddbmm.", "aten.linear.", "aten.matmul.", "aten.einsum.",
+             "aten._grouped_mm.")
+    seen, narrow = set(), []
+    for plan in plan_graphs(m, cc):
+        ep, _ = export_graph(plan)
+        for n in ep.graph.nodes:
+            if n.op != "call_function":
+                continue
+            seen.add(str(n.target).split(".")[1] if str(n.target).startswith("deepinfer.") else "")
+            if str(n.target).startswith(gemms):
+                flat = [a for x in n.args for a in (x if isinstance(x, (list, tuple)) else [x])]
+                if any(isinstance(a, torch.fx.Node) and a.meta["val"].dtype == torch.bfloat16 for a in flat):
+                    narrow.append(f"{plan.name}: {n.target}")
+    assert not narrow, narrow
+    assert {"rows_linear", "grouped_mm", "paged_mla_decode"} <= seen        # the ops that take them
+    assert ("prefill_attention" in seen) == (cp == 1) and ("bf16_einsum" in seen) == (cp > 1)

@@ -26,22 +26,32 @@ def prompt_of(n: int, seed: int, vocab: int = 320) -> list[int]:
 # of this checkpoint (1.4e-2 with the prefill attention in fp32); transformers itself in bf16 on the same weights is
 # 0.8e-2 to 3.7e-1 off its float32 (five prompts of 4-125 tokens).
 TOL_BF16_PRODUCTS = 3e-2
+# --dtype bfloat16: activations, KV pool and math in bf16 (the CPU graphs' products widened to fp32 where the CPU has
+# no bf16 dot products, rounded once, as bf16 hardware computes them), against transformers' float32. Ours and
+# transformers' own bf16 alike are ~1e-2 off at the median and flip a near-tied routing choice now and then (0.37 at
+# one position of this test's prompts); on this checkpoint, 720 decode positions: ours median 1.05e-2 with 11 over
+# 5e-2, transformers' bf16 0.99e-2 with 17.
+TOL_BF16_ACTIVATIONS = 2e-2
 
 
 @pytest.mark.parametrize("variant", [*VARIANTS, "bf16_weights", "bf16_weights_static", "bf16_products",
-                                     "shared_separate"])
+                                     "bf16_activations", "shared_separate"])
 def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, compile_artifact):
     """Every graph kind against transformers in float32. bf16_weights: a bf16 checkpoint served with bf16
     weight matrices and float32 math, against transformers' float32 on the same (widened) weights: as exact;
     with a 128-token prefill bucket (GEMMs past the small-GEMM rows), and on the static MoE path with a capacity
     of 2 (every prefill chunk overflows: capacity, dense decode and the dense rerun all meet bf16 weights).
     bf16_products: --matmul-dtype bfloat16, within the bf16 rounding (TOL_BF16_PRODUCTS) and not exact.
+    bf16_activations: --dtype bfloat16 (TOL_BF16_ACTIVATIONS).
     The other variants take --shared-experts auto: the shared experts as more groups of the experts' GEMMs on the
     grouped path (decode at T=4 and prefill; T=1 gathered runs them apart); shared_separate: their own MLP."""
     if variant == "bf16_products":
         ck = bf16_checkpoint
         art = open_artifact(compile_artifact(ck, matmul_dtype="bfloat16", prefill_buckets=(32, 128)))
         assert art.manifest.compile.matmul_dtype == "bfloat16"
+    elif variant == "bf16_activations":
+        ck = bf16_checkpoint
+        art = open_artifact(compile_artifact(ck, dtype="bfloat16", prefill_buckets=(32, 128)))
     elif variant.startswith("bf16_weights"):
         ck = bf16_checkpoint
         static = dict(moe_path="static", moe_capacity=2) if variant.endswith("static") else {}
@@ -62,7 +72,7 @@ def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, comp
     cc = art.manifest.compile
     hf = hf_model(ck)
     runner = make_runner(art, rank=0)
-    worst = 0.0
+    errs = []
     for C in cc.context_buckets:
         # Prompt-as-decode graphs: one sequence's prompt in T-token steps, logits of every token.
         for T in cc.decode_buckets:
@@ -75,7 +85,7 @@ def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, comp
             while pos < n:
                 k = min(T, n - pos)
                 got = st.run("decode", T, C, [(seq, k)], all_logits=True)[0]
-                worst = max(worst, rel_err(got, ref[pos:pos + k]))
+                errs.append(rel_err(got, ref[pos:pos + k]))
                 pos += k
         # Several sequences in one decode step, each at its own position.
         T = max(cc.decode_buckets)
@@ -87,7 +97,7 @@ def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, comp
                 st.run("decode", T, C, [(s, min(T, len(s.prompt_ids) - 1 - s.num_computed))])
         got = st.run("decode", T, C, [(s, 1) for s in seqs])
         for s, g in zip(seqs, got):
-            worst = max(worst, rel_err(g, hf_logits(hf, s.prompt_ids)[-1]))
+            errs.append(rel_err(g, hf_logits(hf, s.prompt_ids)[-1]))
         # Prefill-chunk graphs: a prompt in T-token chunks, the last token's logits per chunk.
         for T in cc.prefill_buckets:
             if T > C:
@@ -101,7 +111,7 @@ def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, comp
             while pos < n:
                 k = min(T, n - pos)
                 got = st.run("prefill", T, C, [(seq, k)])[0]
-                worst = max(worst, rel_err(got, ref[pos + k - 1]))
+                errs.append(rel_err(got, ref[pos + k - 1]))
                 pos += k
         # Several sequences packed into one prefill chunk: the second chunk of one prompt and two whole ones.
         T, bs = max(cc.prefill_buckets), cc.block_size
@@ -111,9 +121,15 @@ def test_every_bucket_matches_logits(variant, checkpoints, bf16_checkpoint, comp
             st.run("prefill", T, C, [(long, 10)])
             got = st.run("prefill", T, C, [(long, bs - 6), *((s, len(s.prompt_ids)) for s in short)])
             for s, g in zip([long, *short], got):
-                worst = max(worst, rel_err(g, hf_logits(hf, s.prompt_ids)[-1]))
+                errs.append(rel_err(g, hf_logits(hf, s.prompt_ids)[-1]))
+    worst = max(errs)
     if variant == "bf16_products":      # bf16 products really ran, and stay as close as the rounding allows
         assert 1e-5 < worst <= TOL_BF16_PRODUCTS, f"{variant}: worst relative logits error {worst:.2e}"
+        return
+    if variant == "bf16_activations":   # bf16 really ran; as close as bf16 gets, a routing flip here and there
+        median, flips = sorted(errs)[len(errs) // 2], sum(e > 5e-2 for e in errs)
+        assert 1e-3 < median <= TOL_BF16_ACTIVATIONS and flips <= max(1, len(errs) // 20), \
+            f"{variant}: median relative logits error {median:.2e}, {flips} of {len(errs)} over 5e-2"
         return
     assert worst <= TOL, f"{variant}: worst relative logits error {worst:.2e} > {TOL}"
 

@@ -758,7 +758,7 @@ def test_paged_mla_decode_matches(T, H, Dc, L, bs, B, scale):
     then the CPU kernel, the op and the op's non-fp32 path where the kernels build. Head counts taking every
     score tile (8, 4, 2 and 1 heads at a time, with key tails), widths no multiple of 8, scattered blocks, masked
     keys inside the valid span, a token with no valid key (zeros, lse -inf), score spreads far past the
-    vectorised exp's clamp (scale 10), and one token whose heads are split over threads."""
+    vectorised exp's clamp (scale 10), and one token whose heads are split over threads; and a bf16 pool."""
     g = torch.Generator().manual_seed(T * H + Dc)
     q, kv = torch.randn(T, H, Dc, generator=g), torch.randn(40, bs, Dc, generator=g)
     tables = torch.randint(0, 40, (T, B), generator=g)
@@ -768,18 +768,24 @@ def test_paged_mla_decode_matches(T, H, Dc, L, bs, B, scale):
         valid[0] = False
     o_ref, lse_ref = _paged_reference(q, kv, tables, valid, L, scale)
 
-    def check(o, lse):
+    def check(o, lse, tol=1e-5):
         assert o.dtype == lse.dtype == torch.float32 and o.shape == (T, H, L) and lse.shape == (T, H)
-        torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o.double(), o_ref, rtol=tol, atol=tol)
         if masked:
             assert torch.isneginf(lse[0]).all() and torch.count_nonzero(o[0]) == 0
-        torch.testing.assert_close(lse[int(masked):].double(), lse_ref[int(masked):], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[int(masked):].double(), lse_ref[int(masked):], rtol=tol, atol=tol)
 
     check(*ops.paged_mla_decode_torch(q, kv, tables, valid, L, scale))
     _kernels_or_skip()
     check(*torch.ops.deepinfer_cpu.paged_mla_decode(q, kv, tables, valid, L, scale))
     check(*torch.ops.deepinfer.paged_mla_decode(q, kv, tables, valid, L, scale))
     check(*torch.ops.deepinfer.paged_mla_decode(q.double(), kv.double(), tables, valid, L, scale))
+    # a bf16 pool (--dtype bfloat16) under fp32 queries: the kernel widens the keys, exactly
+    kb = kv.bfloat16()
+    o_ref, lse_ref = _paged_reference(q, kb, tables, valid, L, scale)
+    check(*ops.paged_mla_decode_torch(q, kb, tables, valid, L, scale), tol=3e-5)     # fp32 rounding at scale 10
+    check(*torch.ops.deepinfer_cpu.paged_mla_decode(q, kb, tables, valid, L, scale))
+    check(*torch.ops.deepinfer.paged_mla_decode(q, kb, tables, valid, L, scale))
 
 
 def test_paged_mla_decode_rejects_blocks_outside_the_pool():
