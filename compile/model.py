@@ -169,6 +169,15 @@ def as_compute(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return w if w.dtype == x.dtype else w.to(x.dtype)
 
 
+def bf16_on_cpu(spec: RegionSpec, x: torch.Tensor) -> bool:
+    """A CPU graph with bf16 activations (--dtype bfloat16), whose products must not be torch's bf16 GEMMs: on CPUs
+    without bf16 dot products those run 30-70x under the fp32 rate (the demo model's 256-token prefill chunk 123 ms
+    against 12 in fp32). Its linears and experts go through the kernels' ops, which take torch's bf16 GEMM only
+    where the CPU has bf16 dot products and elsewhere the fp32 path on the widened operands, rounded once (what
+    bf16 hardware computes); its attention and gathered experts compute in fp32 on bf16 inputs."""
+    return spec.cpu_forms and x.dtype == torch.bfloat16
+
+
 def linear(spec: RegionSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) for x [M, K], w [N, K], in the form the CPU runs fastest for few rows (M up to
     `spec.small_gemm_rows`; 0 elsewhere). MKL's sgemm with a small M and a transposed weight runs far below both
@@ -192,10 +201,7 @@ def linear(spec: RegionSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (as_compute(w, x) * x).sum(-1)[None]
     if spec.bf16_products and x.shape[0] > 1 and w.dtype == torch.bfloat16:
         return bf16_linear(spec, x, w)
-    if spec.small_gemm_rows and x.dtype == torch.bfloat16:
-        # --dtype bfloat16 (CPU): every product through the op, which runs torch's bf16 GEMM only where the CPU has
-        # bf16 dot products; elsewhere, as bf16 hardware computes it, on the widened operands (exact products, fp32
-        # sums, one rounding): torch's bf16 GEMM there runs 30-70x under the fp32 rate
+    if bf16_on_cpu(spec, x):        # every product through the op, which picks the bf16 GEMM's form at run time
         return torch.ops.deepinfer.rows_linear(x, as_compute(w, x))
     if spec.small_gemm_rows and (x.shape[0] <= spec.small_gemm_rows or w.numel() >= ROWS_LINEAR_MIN_WEIGHT):
         return torch.ops.deepinfer.rows_linear(x, w)
@@ -289,10 +295,8 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
     mask = ~valid[:, None, :]                                                 # [T, 1, C]
     if spec.kind == DECODE:
         # Absorbed: fold W_UK into q, score against the latent cache, apply W_UV after the softmax.
-        # CPU graphs with bf16 activations (--dtype bfloat16) take the absorption and the attention in fp32: the
-        # kernels' fp32 forms, where torch's bf16 GEMMs run 30-70x under the fp32 rate on CPUs without bf16 dot
-        # products (and fp32 scores are what the other backends compute too, below)
-        wide = spec.cpu_forms and x.dtype == torch.bfloat16
+        # (`bf16_on_cpu`: the absorptions and the attention in fp32, as the other backends' scores are, below)
+        wide = bf16_on_cpu(spec, x)
         qn, wq = (q_nope.float(), w["attn.w_uk"].float()) if wide else (q_nope, as_compute(w["attn.w_uk"], x))
         q_lat = torch.einsum("thd,hdc->thc", qn, wq)
         q_abs = torch.cat([q_lat, q_pe.float() if wide else q_pe], dim=-1)                # [T, H, Dc]
@@ -316,8 +320,10 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
             scores = scores.mul(m.softmax_scale).masked_fill(mask, float("-inf"))
             c_ctx = ctx[..., :kvr]
             o_lat = _attend(spec, scores, lambda p: torch.bmm(p.to(c_ctx.dtype), c_ctx).float(), comm)
-        o = (torch.einsum("thc,hvc->thv", o_lat.float(), w["attn.w_uv"].float()).to(x.dtype) if wide
-             else torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), as_compute(w["attn.w_uv"], x)))
+        ol, wv = (o_lat.float(), w["attn.w_uv"].float()) if wide else (o_lat.to(x.dtype), as_compute(w["attn.w_uv"], x))
+        o = torch.einsum("thc,hvc->thv", ol, wv)
+        if wide:
+            o = o.to(x.dtype)
     else:
         # Prefill chunk: expand the packed context's latents to per-head keys and values once (cheaper than
         # the absorbed form when many queries share one context, and transformers' own form). Head-major
@@ -331,17 +337,16 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         # products and the fp32 GEMM of the widened operands elsewhere (the same sums): baked in as bf16 GEMMs they
         # ran 30-70x under the fp32 rate on an AVX2 CPU (the demo model's 256-token chunk 13 -> 65 ms).
         bf16 = spec.bf16_products and w["attn.w_uk"].dtype == torch.bfloat16
-        # bf16 products, and CPU graphs' bf16 activations (--dtype bfloat16) where the kernel path below does not
-        # run (context parallelism), through the op that picks the bf16 GEMM's form at run time
-        narrow = bf16 or (spec.cpu_forms and x.dtype == torch.bfloat16)
+        # bf16 products, and `bf16_on_cpu` where the kernel path below does not run (context parallelism), through
+        # the op that picks the bf16 GEMM's form at run time
+        narrow = bf16 or bf16_on_cpu(spec, x)
         mm = (lambda eq, a, b: torch.ops.deepinfer.bf16_einsum(eq, a, b)) if narrow else torch.einsum
         ctx = kv_cache[tbl[0]].flatten(0, 1)                                             # [C, Dc]
         if spec.cpu_forms and spec.cp == 1 and not bf16:
             # The CPU prefill attention op: each block of queries scored against only the keys it sees (the
             # causal half of the bucket is never computed), token-major throughout. The demo model's 256-token
-            # chunk: attention 0.68 -> 0.27 ms a layer (2 threads, Zen 3). With bf16 activations (--dtype
-            # bfloat16) its operands are widened first: the op's kernel is fp32, and torch's bf16 GEMMs run
-            # 30-70x under the fp32 rate on CPUs without bf16 dot products.
+            # chunk: attention 0.68 -> 0.27 ms a layer (2 threads, Zen 3). Its kernel is fp32: bf16 activations
+            # (`bf16_on_cpu`) are widened first.
             if x.dtype == torch.bfloat16:
                 ctx, q_nope, q_pe = ctx.float(), q_nope.float(), q_pe.float()
             c_ctx, k_pe_ctx = ctx[:, :kvr], ctx[:, kvr:]
@@ -443,9 +448,7 @@ def experts_gather(spec: RegionSpec, x: torch.Tensor, ids: torch.Tensor, weights
     local = ids - w["rank.expert_ids"][0]
     mine = (local >= 0) & (local < E)
     idx = torch.where(mine, local, torch.zeros_like(local)).reshape(-1)       # [T*K]
-    # CPU graphs with bf16 activations: fp32 products (torch's bf16 GEMMs run 30-70x under the fp32 rate on CPUs
-    # without bf16 dot products), as mla_attention's
-    xc = x.float() if spec.cpu_forms and x.dtype == torch.bfloat16 else x
+    xc = x.float() if bf16_on_cpu(spec, x) else x      # fp32 products
     xk = xc[:, None, :].expand(T, K, x.shape[-1]).reshape(T * K, -1, 1)
     gu = torch.bmm(as_compute(w["moe.experts_gate_up"][idx], xc), xk).squeeze(-1)   # [T*K, 2I]
     g, u = gu.chunk(2, dim=-1)
