@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..common.manifest import DECODE, PREFILL
+from .cuda_kernels import CaptureFailed
 from .model_runner import ModelRunner, StepInputs
 
 log = logging.getLogger("deepinfer")
@@ -53,9 +54,12 @@ class StepGraphs:
                 r.forward(si.kind, si.tokens, si.context, *static)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        # thread_local: the server's other threads may touch CUDA (a tokenizer, metrics) while this one captures
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = r.forward(si.kind, si.tokens, si.context, *static)
+        try:
+            # thread_local: the server's other threads may touch CUDA (a tokenizer, metrics) while this one captures
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                out = r.forward(si.kind, si.tokens, si.context, *static)
+        except Exception as e:           # the capture's error, not the device's: the same forward ran in the warm-up
+            raise CaptureFailed(f"{type(e).__name__}: {e}") from e
         return g, staged, out
 
     def _launched(self, si: StepInputs) -> torch.Tensor:
@@ -70,10 +74,11 @@ class StepGraphs:
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(si)
-            except torch.AcceleratorError:
-                raise                    # a device fault is not a capture problem
-            except Exception as e:      # once per shape, not at every step: that shape runs without a graph
-                self.failed[key] = f"{type(e).__name__}: {e}"
+            except Exception as e:
+                if isinstance(e, torch.AcceleratorError):
+                    raise                # in the warm-up: a device fault (the capture's own come as CaptureFailed)
+                # once per shape, not at every step: that shape runs without a graph
+                self.failed[key] = str(e) if isinstance(e, CaptureFailed) else f"{type(e).__name__}: {e}"
                 log.warning("%s step T=%d C=%d with %d logit rows: CUDA-graph capture failed (%s); such steps "
                             "launch kernel by kernel", *key, self.failed[key][:300])
                 return self._launched(si)
@@ -104,18 +109,22 @@ class _Staged:
     cudaMemcpy of its own on the host's side of the step)."""
 
     def __init__(self, arrays: tuple[np.ndarray, ...], device: torch.device):
-        sizes = [a.size for a in arrays]
+        # each part starts 16-byte aligned, as Inductor assumes its inputs are (a misaligned one is copied first)
+        spans = [-(-a.size // 2) * 2 for a in arrays]
+        self.offsets = np.cumsum([0] + spans[:-1]).tolist()
         cuda = device.type == "cuda"
-        self.host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=cuda)
-        self.device = torch.empty(sum(sizes), dtype=torch.int64, device=device)
-        self.views = tuple(part.view(a.shape) for part, a in zip(self.device.split(sizes), arrays))
+        self.host = torch.zeros(sum(spans), dtype=torch.int64, pin_memory=cuda)
+        self.device = torch.empty(sum(spans), dtype=torch.int64, device=device)
+        self.views = tuple(part[:a.size].view(a.shape) for part, a in zip(self.device.split(spans), arrays))
         self.copied = torch.cuda.Event() if cuda else None    # the last copy out of `host` has finished
         self.load(arrays)
 
     def load(self, arrays: tuple[np.ndarray, ...]) -> None:
         if self.copied is not None:
             self.copied.synchronize()        # the previous step's copy (long done: its logits were read since)
-        np.concatenate([a.reshape(-1) for a in arrays], out=self.host.numpy())
+        host = self.host.numpy()
+        for at, a in zip(self.offsets, arrays):
+            host[at:at + a.size] = a.reshape(-1)
         self.device.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()

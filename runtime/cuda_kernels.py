@@ -25,6 +25,11 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128       # 16: tl.dot's smallest M tile; a 
 NUM_WARPS, NUM_STAGES = 4, 4
 
 
+class CaptureFailed(RuntimeError):
+    """An error raised inside a CUDA-graph capture: what a capture cannot hold (a host sync, a copy to pageable
+    memory) fails there as a CUDA error, which torch raises as AcceleratorError as it does a device fault."""
+
+
 @functools.cache
 def _triton():
     """The triton module, or None where it cannot be imported."""
@@ -314,10 +319,13 @@ def graph_time_us(call, w: torch.Tensor, reps: int = 24, rounds: int = 3) -> flo
         call(wi)                                  # builds, and makes any workspace, outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    # thread_local: a server thread's CUDA call does not break this capture (as in runtime/cuda_graphs.py)
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        for i in range(reps):
-            call(copies[i % len(copies)])
+    try:
+        # thread_local: a server thread's CUDA call does not break this capture (as in runtime/cuda_graphs.py)
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            for i in range(reps):
+                call(copies[i % len(copies)])
+    except Exception as e:
+        raise CaptureFailed(f"{type(e).__name__}: {e}") from e     # choose(): that candidate is out
     g.replay()
     best = float("inf")
     for _ in range(rounds):

@@ -43,6 +43,8 @@ def cpu_graph_api(monkeypatch):
         forward = runner.forward
 
         def recording(*args):
+            if cpu_graph_api.fail_capture:      # what CUDA reports for a host sync inside a capture
+                raise torch.AcceleratorError("CUDA error: operation not permitted when stream is capturing")
             out = forward(*args)
             g.replay_fn = lambda: out.copy_(forward(*args))     # the same tensors: the static buffers
             return out
@@ -60,6 +62,7 @@ def cpu_graph_api(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     cpu_graph_api.captured = captured
+    cpu_graph_api.fail_capture = False
     yield cpu_graph_api
 
 
@@ -89,6 +92,38 @@ def test_replayed_steps_match_launched_ones(checkpoints, compile_artifact, cpu_g
     assert two[0].replays == 2                      # captured in one round, replayed with new inputs in the next
     for key, (worst, agree, count) in sg.checks.items():
         assert worst == 0.0 and agree == 1.0 and count >= 1, key
+    for _, staged, _ in sg.graphs.values():          # views of one buffer, each 16-byte aligned (Inductor's assumption)
+        assert all(v.data_ptr() % 16 == 0 for v in staged.views)
+
+
+def test_a_failed_capture_launches_that_shape_kernel_by_kernel(checkpoints, compile_artifact, cpu_graph_api):
+    """An error inside the capture (CUDA raises a host sync there as torch.AcceleratorError, as it does a device
+    fault) is the capture's: the shape is marked failed once and its steps launch one by one, with the plain
+    loop's tokens; the same error in a warm-up run, outside the capture, is a device fault and propagates."""
+    art = compile_artifact(checkpoints["base"])
+    plain = Engine.from_artifact(art, prefix_caching=False)
+    eng = Engine.from_artifact(art, prefix_caching=False)
+    cpu_graph_api.runner = eng.runner
+    sg = eng.runner.step_graphs = cuda_graphs.StepGraphs(eng.runner)
+    cpu_graph_api.fail_capture = True
+    prompts, params = [list(range(7, 19))], SamplingParams(max_tokens=5, ignore_eos=True)
+    want = [s.output_ids for s in plain.generate(prompts, params)]
+    assert [s.output_ids for s in eng.generate(prompts, params)] == want
+    assert not sg.graphs and {k for k, _, _, _ in sg.failed} == {DECODE, PREFILL}
+    assert all("not permitted when stream is capturing" in why for why in sg.failed.values())
+    assert not cpu_graph_api.captured
+    # a warm-up fault: not swallowed
+    sg2 = eng.runner.step_graphs = cuda_graphs.StepGraphs(eng.runner)
+
+    def faulting(*args):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    eng.runner.forward = faulting
+    try:
+        with pytest.raises(torch.AcceleratorError, match="illegal memory access"):
+            eng.generate([list(range(3, 9))], params)
+    finally:
+        del eng.runner.forward              # back to the class's method
+    assert not sg2.failed
 
 
 def test_static_moe_path_replays_decode_only(checkpoints, compile_artifact, cpu_graph_api):

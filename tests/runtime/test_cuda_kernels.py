@@ -98,6 +98,23 @@ def test_choice_is_the_fastest_correct_candidate():
     close = iter([5.0, 4.9])          # within the margin: cuBLAS stays
     assert ck.choose({"cublas": cands["cublas"], "fast": cands["fast"]}, x, w, lambda call, w: next(close))[0] == "cublas"
 
+    def timing(*outcomes):            # time_us's results in order; an exception is raised
+        it = iter(outcomes)
+
+        def time_us(call, w):
+            t = next(it)
+            if isinstance(t, Exception):
+                raise t
+            return t
+        return time_us
+    pair = {"cublas": cands["cublas"], "fast": cands["fast"]}
+    # the candidate's timing graph failed to capture (graph_time_us raises CaptureFailed): it is out, not the step
+    failed = ck.CaptureFailed("AcceleratorError: operation not permitted when stream is capturing")
+    name, times = ck.choose(pair, x, w, timing(5.0, failed))
+    assert name == "cublas" and times["fast"] == float("inf")
+    with pytest.raises(torch.AcceleratorError):  # a device fault is not a candidate's failure: it propagates
+        ck.choose(pair, x, w, timing(5.0, torch.AcceleratorError("an illegal memory access was encountered")))
+
 
 def test_reference_is_linear_in_fp32_a_slice_at_a_time():
     x, w = torch.randn(3, 40).bfloat16(), torch.randn(10, 40).bfloat16()
