@@ -11,7 +11,9 @@ too), which we compile as stored (--weight-dtype auto: bf16 weight matrices, flo
 runs in float32 (the same math on the same weights: the logits agree to float32 rounding; tests/compile/test_matches_transformers.py) and in
 bfloat16 (its own math; faster at batch 1 on this CPU, slower in batches); each "x HF" there is against the
 faster transformers of the two, column by column; a second row of ours compiles them with --matmul-dtype
-bfloat16 (bf16 products, fp32 sums: transformers' bf16 rounding of the operands, fp32 everything else).
+bfloat16 (bf16 products, fp32 sums: transformers' bf16 rounding of the operands, fp32 everything else), and
+where the CPU has bf16 dot products (or with --bf16-activations) a third with --dtype bfloat16 (bf16 activations
+throughout, as transformers' bf16 run).
 With --layouts, decode ms/token per cp x ep layout and the collectives' share of a decode step.
 Our engines run without the prefix cache (the rounds repeat their prompts, which it would serve without
 computing them: transformers has no such cache). Same threads for everyone (torch.get_num_threads()); each figure is the best of 2-4 rounds in which the engines
@@ -21,7 +23,7 @@ The roofline row is the best any engine could do on this machine (benchmarks/roo
 reading the step's fp32 weights at the copy bandwidth, prefill by its FLOPs at the GEMM rate (or its weights,
 whichever is slower), both the best measured in the run (before and after each config); its "x HF" is the
 largest ratio to transformers physically possible.
-With a bf16-products row, a second roofline takes bf16 weights and the measured bf16 GEMM rate (or the fp32 rate
+With either row, a second roofline takes bf16 weights and the measured bf16 GEMM rate (or the fp32 rate
 where that is faster: on CPUs without bf16 dot products).
 """
 
@@ -152,12 +154,12 @@ def eager_engine(art: Path):
 
 
 def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, backend: str = "cpu",
-                matmul_dtype: str = "auto") -> Path:
+                matmul_dtype: str = "auto", dtype: str = "float32") -> Path:
     from deepinfer.compile.driver import compile_artifact
     from deepinfer.compile.options import CompileOptions
     compile_artifact(CompileOptions(model=ck, out=out, backend=backend, cp=cp, ep=ep, decode_buckets=(1, 16),
                                     prefill_buckets=(256,), context_buckets=(128, 256), context_limit=512,
-                                    cache_dir=cache, matmul_dtype=matmul_dtype), log=lambda s: None)
+                                    cache_dir=cache, matmul_dtype=matmul_dtype, dtype=dtype), log=lambda s: None)
     return out
 
 
@@ -196,6 +198,10 @@ def main() -> None:
     ap.add_argument("--layouts", default="", help="e.g. 1x1,2x2,4x4 (cp x ep) for the small config")
     ap.add_argument("--no-bf16-products", dest="bf16_products", action="store_false",
                     help="skip the --matmul-dtype bfloat16 row of bf16 checkpoints")
+    ap.add_argument("--bf16-activations", action=argparse.BooleanOptionalAction, default=None,
+                    help="a --dtype bfloat16 row (bf16 activations) for bf16 checkpoints; default: where the CPU has "
+                         "bf16 dot products (elsewhere its products run as fp32 FMAs of widened operands: slower "
+                         "than float32 math)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="also write the tables (markdown) to this file")
     args = ap.parse_args()
@@ -212,6 +218,7 @@ def main() -> None:
     peaks = {"bw": 0.0, "flops": 0.0, "flops16": 0.0}
     from deepinfer.compile.driver import cpu_has_bf16_dot
     bf16_dot = cpu_has_bf16_dot()
+    bf16_activations = bf16_dot if args.bf16_activations is None else args.bf16_activations
 
     def measure_peaks() -> None:
         peaks["bw"] = max(peaks["bw"], copy_bandwidth(cpu))
@@ -241,6 +248,9 @@ def main() -> None:
             if args.bf16_products:
                 art16 = compile_for(ck, work / f"art-{name}-mm16", cache, matmul_dtype="bfloat16")
                 runs["ours16"] = engine_runs(Engine.from_artifact(art16, prefix_caching=False), cfg["vocab_size"])
+            if bf16_activations:
+                arta = compile_for(ck, work / f"art-{name}-bf16", cache, dtype="bfloat16")
+                runs["oursa16"] = engine_runs(Engine.from_artifact(arta, prefix_caching=False), cfg["vocab_size"])
         best = interleaved(runs)
         hf, ours, eager = (figures(best[k]) for k in ("hf", "ours", "eager"))
         rows = [("transformers experts=" + impl + (" (fp32)" if bf16 else ""), hf)]
@@ -249,7 +259,9 @@ def main() -> None:
             rows.append(("transformers experts=" + impl + " (bf16)", hf16))
             hf = {k: (min if k in ("decode_ms", "batch_ttft_ms") else max)(hf[k], hf16[k]) for k in hf}
         mc = ModelConfig.from_file(Path(ck) / "config.json")
-        extra = [("deepinfer compiled (cpu, --matmul-dtype bfloat16)", figures(best["ours16"]))] if "ours16" in best else []
+        extra = [(label, figures(best[k])) for k, label in (
+            ("ours16", "deepinfer compiled (cpu, --matmul-dtype bfloat16)"),
+            ("oursa16", "deepinfer compiled (cpu, --dtype bfloat16)")) if k in best]
 
         def roofs(mc=mc, bf16=bf16, extra=extra) -> list[tuple[str, dict]]:
             out = [("roofline (this machine)", bench_roofline(mc, peaks["bw"], peaks["flops"], 2 if bf16 else 4))]

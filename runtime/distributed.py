@@ -348,11 +348,12 @@ def _untrack(shm: shared_memory.SharedMemory) -> None:
 def run_follower(art_path: Path, rank: int, world: int, device: str, receive, ack=None) -> None:
     """Load this rank's graphs and weights, then run every step the leader publishes until told to stop."""
     from .artifact import open_artifact
-    from .engine import make_runner
+    from .engine import freeze_loaded_objects, make_runner
     art = open_artifact(art_path)
     if art.manifest.layout.world != world:
         raise RankFailure(f"rank {rank}: artifact world is {art.manifest.layout.world}, launched with {world}")
     runner = make_runner(art, rank=rank, device=device)
+    freeze_loaded_objects()
     if ack is not None:
         ack()
     while True:

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from ..common.errors import CapacityError, RankFailure, RequestError
-from .engine import Engine
+from .engine import Engine, freeze_loaded_objects
 from .engine_loop import EngineLoop, RequestAborted, Stream, TokenEvent
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, error_body, new_id,
@@ -775,6 +775,7 @@ def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_
             engine.close()
             raise
         log.info("warm-up: %d step shapes in %.1f s", n, time.perf_counter() - t)
+    freeze_loaded_objects()
     metrics = Metrics(engine.manifest.compile.num_kv_blocks)
     server: Server | None = None
 
