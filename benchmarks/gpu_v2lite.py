@@ -276,10 +276,11 @@ def check(engine, hf, dev: torch.device, vocab: int, prompt: int, n: int = 8, k:
                   for (kind, t, c, r), why in sorted(sg.failed.items())]
     if hf is None:
         return "check: " + "; ".join(parts)
-    try:         # each comparison on its own: one failing (memory, a transformers API) keeps the others' lines
-        parts.insert(0, first_logprobs(engine, hf, dev, random_prompts(g, 32, 32, vocab)))
+    against = []     # each comparison on its own: one failing (memory, a transformers API) keeps the others' lines
+    try:
+        against.append(first_logprobs(engine, hf, dev, random_prompts(g, 32, 32, vocab)))
     except Exception as e:
-        parts.insert(0, f"first-token logprobs against transformers failed: {type(e).__name__}: {str(e)[:200]}")
+        against.append(f"first-token logprobs against transformers failed: {type(e).__name__}: {str(e)[:200]}")
     try:
         with torch.inference_mode():
             x = torch.tensor(ps, device=dev)
@@ -289,11 +290,11 @@ def check(engine, hf, dev: torch.device, vocab: int, prompt: int, n: int = 8, k:
         def common(a, b) -> int:
             return next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
         prefixes = [common(a, b) for a, b in zip(ours, theirs)]
-        parts.insert(1, f"first tokens equal transformers' for {sum(p > 0 for p in prefixes)}/{n} prompts, common "
-                        f"greedy prefix {sum(prefixes) / n:.1f}/{k} tokens")
+        against.append(f"first tokens equal transformers' for {sum(p > 0 for p in prefixes)}/{n} prompts, common "
+                       f"greedy prefix {sum(prefixes) / n:.1f}/{k} tokens")
     except Exception as e:
-        parts.insert(1, f"greedy tokens against transformers failed: {type(e).__name__}: {str(e)[:200]}")
-    return "check: " + "; ".join(parts)
+        against.append(f"greedy tokens against transformers failed: {type(e).__name__}: {str(e)[:200]}")
+    return "check: " + "; ".join(against + parts)
 
 
 def first_logprobs(engine, hf, dev: torch.device, ps: list[list[int]], top: int = 50) -> str:

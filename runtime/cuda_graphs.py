@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..common.manifest import DECODE, PREFILL
-from .cuda_kernels import CaptureFailed
+from .cuda_kernels import CaptureFailed, capturing
 from .model_runner import ModelRunner, StepInputs
 
 log = logging.getLogger("deepinfer")
@@ -54,12 +54,8 @@ class StepGraphs:
                 r.forward(si.kind, si.tokens, si.context, *static)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        try:
-            # thread_local: the server's other threads may touch CUDA (a tokenizer, metrics) while this one captures
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                out = r.forward(si.kind, si.tokens, si.context, *static)
-        except Exception as e:           # the capture's error, not the device's: the same forward ran in the warm-up
-            raise CaptureFailed(f"{type(e).__name__}: {e}") from e
+        with capturing(g, pool=self.pool):   # an error here is the capture's: the same forward ran in the warm-up
+            out = r.forward(si.kind, si.tokens, si.context, *static)
         return g, staged, out
 
     def _launched(self, si: StepInputs) -> torch.Tensor:

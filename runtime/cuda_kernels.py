@@ -13,6 +13,7 @@ it (in fp16: the interpreter's tl.dot misreads bf16 operands, triton 3.6).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -28,6 +29,17 @@ NUM_WARPS, NUM_STAGES = 4, 4
 class CaptureFailed(RuntimeError):
     """An error raised inside a CUDA-graph capture: what a capture cannot hold (a host sync, a copy to pageable
     memory) fails there as a CUDA error, which torch raises as AcceleratorError as it does a device fault."""
+
+
+@contextlib.contextmanager
+def capturing(g, **kw):
+    """torch.cuda.graph(g) with what is raised inside it as CaptureFailed. thread_local: another thread's CUDA call
+    (the server's tokenizer, metrics) does not break the capture."""
+    try:
+        with torch.cuda.graph(g, capture_error_mode="thread_local", **kw):
+            yield
+    except Exception as e:
+        raise CaptureFailed(f"{type(e).__name__}: {e}") from e
 
 
 @functools.cache
@@ -319,13 +331,9 @@ def graph_time_us(call, w: torch.Tensor, reps: int = 24, rounds: int = 3) -> flo
         call(wi)                                  # builds, and makes any workspace, outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    try:
-        # thread_local: a server thread's CUDA call does not break this capture (as in runtime/cuda_graphs.py)
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
-            for i in range(reps):
-                call(copies[i % len(copies)])
-    except Exception as e:
-        raise CaptureFailed(f"{type(e).__name__}: {e}") from e     # choose(): that candidate is out
+    with capturing(g):                           # a CaptureFailed: choose() leaves that candidate out
+        for i in range(reps):
+            call(copies[i % len(copies)])
     g.replay()
     best = float("inf")
     for _ in range(rounds):
