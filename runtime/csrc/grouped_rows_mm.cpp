@@ -9,10 +9,11 @@
 // group's weight streams from memory once, kNW weight rows at a time, and meets up to 4 of the group's rows
 // (L1-resident) at a time in 12 register accumulators; groups of a dozen rows or more (16-row decode buckets'
 // linears, prefill chunks' experts) instead meet 16 weight rows at a time transposed into an L2 panel, 6 rows at a
-// time in outer-product register tiles. Where the CPU has AVX-512, a form with 4 x 6 tiles of
-// 16-lane accumulators, blocked for L2, runs instead: it beats MKL's sgemm at any number of rows, so the CPU ops
-// take it for prefill chunks and their linears too. Where it has AVX512-BF16, bf16 rows meet bf16 weights in
-// dot-product instructions (--matmul-dtype bfloat16).
+// time in outer-product register tiles, and groups of 14-16 rows (a 16-row decode bucket) are transposed instead, the
+// weights broadcast against them. Where the CPU has AVX-512, a form with 4 x 6 tiles of 16-lane accumulators, blocked
+// for L2 (and its own transposed form for 14-16 rows), runs instead: it beats MKL's sgemm at any number of rows, so
+// the CPU ops take it for prefill chunks and their linears too. Where it has AVX512-BF16, bf16 rows meet bf16 weights
+// in dot-product instructions (--matmul-dtype bfloat16), 14-16-row groups again transposed.
 // Built at first use by runtime/cpu_kernels.py (torch.utils.cpp_extension); torch's own thread pool runs it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -322,7 +324,7 @@ void panel_task(const W* w, const float* x, int64_t rows, int64_t K, int64_t N, 
   }
 }
 
-// ---- groups of kXPanelMinRows..16 rows (AVX2): the rows transposed, the weights broadcast ----
+// ---- groups of kXPanelMinRows..16 rows (AVX2; AVX-512 forms below): the rows transposed, the weights broadcast ----
 //
 // The panel form above transposes every 16 weight rows into a panel, a pass over the weights as long as the FMAs'
 // at 16 rows. Here the group's rows are transposed instead, once per call: xt[k][16] (16 KB at K = 256, L1), zero
@@ -333,7 +335,8 @@ void panel_task(const W* w, const float* x, int64_t rows, int64_t K, int64_t N, 
 // form (best of 9 interleaved): fp32 weights 1.03-1.09x on the demo model's 256-4096 x 256, 1.10-1.21x on the `mid`
 // model's 1024-16384 x 1024 (one thread: 75 -> 85 GFLOP/s, MKL's 1024^3 sgemm 87-94); bf16 weights 1.0-1.07x and
 // 1.0-1.12x. At 12 rows, a quarter of the lanes idle, it ran 0.8-0.97x: 14 rows and up only.
-// DEEPINFER_CPU_XPANEL=0 (or deepinfer_cpu::xpanel_form(False)) leaves those groups to the panel form.
+// DEEPINFER_CPU_XPANEL=0 (or deepinfer_cpu::xpanel_form(False)) leaves those groups to the panel form, and the
+// AVX-512 forms' to their tiles.
 constexpr int64_t kXPanelMinRows = 14;
 constexpr int64_t kXPanelMaxRows = 16;    // the two 8-lane vectors of an xt row
 std::atomic<bool> g_allow_xpanel{[] {
@@ -689,6 +692,139 @@ DEEPINFER_AVX512_TARGET void task512(const W* w, const float* x, int64_t ldx, in
   }
 }
 
+// Groups of kXPanelMinRows..16 rows over fp32 weights (a 16-row decode bucket's linears and shared experts): the
+// group's rows transposed once per call, xt[k] one 16-lane vector (row r in lane r, zero past the group's rows), each
+// weight value broadcast from memory into its FMA (4 weight rows a tile: out[0..15, n] for its 4 columns n, no
+// horizontal sums), in two k phases (8 independent chains: a core with two 512-bit FMA pipes keeps them both busy),
+// the next tile's weight rows prefetched as this one streams. The tiles above make three passes over the weights at
+// 16 rows (6 + 6 + 4), the first from memory: here one pass, 5 loads to 4 FMAs, so the weights' stream and the FMAs
+// overlap. 2-core Zen 4 VM, 16 rows, weights out of cache (8 copies in turn), interleaved: the `mid` model's 672 x
+// 1024, 1024 x 512, 5632 x 1024, 1024 x 2816 and the 16384 x 1024 head 1.1-1.35x (e.g. the head 144-151 -> 190-211
+// GFLOP/s, 5632 x 1024 136-144 -> 179-186), the demo model's 1024-4096 x 256 1.0-1.06x. 8 weight rows a tile ran as
+// fast at most shapes but at K = 2304, 2816 and 3072 at 0.85x of the tiles above (and 12 or 16 weight rows at
+// 0.6-0.8x everywhere): the tile's concurrent weight streams, each a row 9-12 KB from the next, outrun what the core
+// tracks. bf16 weights keep the tiles above: widening each broadcast pair (a shift and a mask per two FMAs) ran them
+// at 0.8-0.9x. Each row's sum runs in its own lane in k order, so a row's bits do not depend on the group's other rows
+// (but differ from the tiles': these groups sum in another order). End to end, one process, the forms on and off
+// in turns (4-6 rounds): 16-sequence decode on `mid` 411 -> 444 tok/s, the demo model 10625 -> 11111; with bf16
+// products (the dot-product form below) `mid-bf16` 832 -> 886, the demo model 9976 -> 11240; bf16 activations on
+// `mid-bf16` 838 -> 843. DEEPINFER_CPU_XPANEL=0 or deepinfer_cpu::xpanel_form(False) keeps the tiles for them.
+template <typename Tune, bool PF>
+DEEPINFER_AVX512_TARGET inline void xtile512(const float* w, const float* xt, int64_t K, float* out, int64_t ldo,
+                                             int64_t rows) {
+  constexpr int NW = 4;
+  __m512 a[NW], b[NW];
+#pragma GCC unroll 4
+  for (int i = 0; i < NW; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    if (PF && (k & 15) == 0) {
+#pragma GCC unroll 4
+      for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + (NW + i) * K + k), Tune::kHint);
+    }
+    const __m512 x0 = _mm512_load_ps(xt + k * 16), x1 = _mm512_load_ps(xt + k * 16 + 16);
+#pragma GCC unroll 4
+    for (int i = 0; i < NW; ++i) {
+      a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i * K + k]), x0, a[i]);
+      b[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i * K + k + 1]), x1, b[i]);
+    }
+  }
+  if (k < K) {
+    const __m512 x0 = _mm512_load_ps(xt + k * 16);
+#pragma GCC unroll 4
+    for (int i = 0; i < NW; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i * K + k]), x0, a[i]);
+  }
+  alignas(64) float t[NW][16];
+#pragma GCC unroll 4
+  for (int i = 0; i < NW; ++i) _mm512_store_ps(t[i], _mm512_add_ps(a[i], b[i]));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int i = 0; i < NW; ++i) out[r * ldo + i] = t[i][r];
+}
+
+// A one-weight-row x-panel tile (the task's last 1-3 weight rows).
+DEEPINFER_AVX512_TARGET inline void xrow512(const float* w, const float* xt, int64_t K, float* out, int64_t ldo,
+                                            int64_t rows) {
+  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    a = _mm512_fmadd_ps(_mm512_set1_ps(w[k]), _mm512_load_ps(xt + k * 16), a);
+    b = _mm512_fmadd_ps(_mm512_set1_ps(w[k + 1]), _mm512_load_ps(xt + k * 16 + 16), b);
+  }
+  if (k < K) a = _mm512_fmadd_ps(_mm512_set1_ps(w[k]), _mm512_load_ps(xt + k * 16), a);
+  alignas(64) float t[16];
+  _mm512_store_ps(t, _mm512_add_ps(a, b));
+  for (int64_t r = 0; r < rows; ++r) out[r * ldo] = t[r];
+}
+
+// dst[u * 16 + r] = src[r * ld + u] for 32-bit units u < units and rows r < 16 (zero for r >= rows): 16 x 16
+// blocks transposed in registers (the standard unpack / shuffle / 128-bit-lane shuffle network), the last
+// units % 16 one at a time. Pure moves: bf16 pairs pass through as they are. 1024 fp32 units of 16 rows: ~1 us,
+// where the element-by-element loop took ~10.
+DEEPINFER_AVX512_TARGET inline void transpose_rows32(const float* src, int64_t ld, int64_t rows, int64_t units,
+                                                     float* dst) {
+  int64_t u = 0;
+  for (; u + 16 <= units; u += 16) {
+    __m512 r[16], t[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_ps(src + i * ld + u) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {            // r[4i + j], 128-bit lane L: column 4L + j of rows 4i..4i+3
+      r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+        t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+      }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {            // -> r[m]: column m of all 16 rows
+      _mm512_store_ps(dst + (u + j) * 16, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
+      _mm512_store_ps(dst + (u + j + 8) * 16, _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD));
+    }
+  }
+  for (; u < units; ++u)
+    for (int64_t i = 0; i < 16; ++i) dst[u * 16 + i] = i < rows ? src[i * ld + u] : 0.0f;
+}
+
+// This thread's transposed rows for one call's group (`key`), built at the first of its tasks on that group:
+// [K][16] of T, 64-byte aligned, zero past the group's rows; `pack` fills it.
+template <typename T, typename Pack>
+T* transposed_rows(int64_t K, uint64_t key, const Pack& pack) {
+  thread_local std::vector<T> buf;
+  thread_local uint64_t built = ~uint64_t(0);
+  const size_t need = size_t(K + 1) * 16 + 64 / sizeof(T);
+  if (buf.size() < need) {
+    buf.resize(need);
+    built = ~uint64_t(0);
+  }
+  T* xt = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  if (built != key) {
+    pack(xt);
+    built = key;
+  }
+  return xt;
+}
+
+// Weight rows [n0, n1) of one group's fp32 weight w [N, K] against its `rows` (14-16) rows x (row stride ldx).
+template <typename Tune>
+DEEPINFER_AVX512_TARGET void xpanel512_task(const float* w, const float* x, int64_t ldx, int64_t rows, int64_t K,
+                                            int64_t n0, int64_t n1, float* out, int64_t ldo, uint64_t key) {
+  const float* xt = transposed_rows<float>(K, key, [&](float* t) { transpose_rows32(x, ldx, rows, K, t); });
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) xtile512<Tune, true>(w + n * K, xt, K, out + n, ldo, rows);
+  for (; n < n1; ++n) xrow512(w + n * K, xt, K, out + n, ldo, rows);
+}
+
 // Blocking for L2 (1 MB a core on Zen 4, 2 MB on recent Xeons): a task's weight rows ~256 KB, a row block ~384 KB.
 constexpr int64_t kTaskWeightBytes = 256 << 10, kRowBlockBytes = 384 << 10;
 
@@ -709,8 +845,15 @@ void grouped_rows_typed512(const at::Tensor& x, const at::Tensor& wt, const int6
   float* outp = out.data_ptr<float>();
   const int64_t block_n = std::clamp<int64_t>(kTaskWeightBytes / (K * int64_t(sizeof(W))) / kNW5 * kNW5, kNW5, kBlockN);
   const int64_t row_block = std::clamp<int64_t>(kRowBlockBytes / (K * 4) / kR5 * kR5, kR5, 16 * kR5);
+  const bool xpanel = std::is_same_v<W, float> && g_allow_xpanel.load(std::memory_order_relaxed);
+  const uint64_t call = g_call_id.fetch_add(1, std::memory_order_relaxed) * uint64_t(G + 1);
   with_tuning([&](auto tune) {
     for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
+      if constexpr (std::is_same_v<W, float>) {
+        if (xpanel && r1 - r0 >= kXPanelMinRows && r1 - r0 <= kXPanelMaxRows)
+          return xpanel512_task<decltype(tune)>(wp + g * N * K, xp + r0 * ldx, ldx, r1 - r0, K, n0, n1,
+                                                outp + r0 * N, N, call + g);
+      }
       task512<decltype(tune)>(wp + g * N * K, xp + r0 * ldx, ldx, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
     }, block_n);
   });
@@ -842,6 +985,79 @@ DEEPINFER_BF16_TARGET void bf16_task(const uint16_t* w, const uint16_t* x, int64
   }
 }
 
+// Groups of kXPanelMinRows..16 rows, K even: the x-panel form of the fp32 kernel (above) with dot products. The
+// group's rows transposed once per call into pairs, xt[p] one 512-bit vector of (x[r, 2p], x[r, 2p + 1]) for the 16
+// rows r, and each weight pair (w[n, 2p], w[n, 2p + 1]) broadcast from memory into a VDPBF16PS: 4 weight rows a tile,
+// two pair phases, the next tile's rows prefetched. One pass over the weights instead of three; 2-core Zen 4 VM, 16
+// rows, weights out of cache, best of 3 interleaved rounds: the `mid` model's 672-16384 x 1024 1.06-1.09x (the head
+// 335 -> 364 GFLOP/s), 1024 x 2816 1.29x, the demo model's 1024-4096 x 256 1.03-1.06x. Odd K (the last pair would
+// reach past the row's end) keeps the tiles.
+// (p[0], p[1]) in every 32-bit lane.
+DEEPINFER_BF16_TARGET inline __m512bh bf16_pair(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+template <typename Tune>
+DEEPINFER_BF16_TARGET inline void xtile_bf16(const uint16_t* w, const uint16_t* xt, int64_t K, float* out, int64_t ldo,
+                                             int64_t rows, int nw) {
+  constexpr int NW = 4;
+  __m512 a[NW], b[NW];
+#pragma GCC unroll 4
+  for (int i = 0; i < NW; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  auto pair = [&](int i, int64_t k) { return bf16_pair(w + i * K + k); };
+  int64_t k = 0;
+  if (nw == NW) {
+    for (; k + 4 <= K; k += 4) {
+      if ((k & 31) == 0) {
+#pragma GCC unroll 4
+        for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + (NW + i) * K + k), Tune::kHint);
+      }
+      const __m512bh x0 = (__m512bh)_mm512_load_si512(xt + k * 16), x1 = (__m512bh)_mm512_load_si512(xt + k * 16 + 32);
+#pragma GCC unroll 4
+      for (int i = 0; i < NW; ++i) {
+        a[i] = _mm512_dpbf16_ps(a[i], x0, pair(i, k));
+        b[i] = _mm512_dpbf16_ps(b[i], x1, pair(i, k + 2));
+      }
+    }
+    if (k < K) {
+      const __m512bh x0 = (__m512bh)_mm512_load_si512(xt + k * 16);
+#pragma GCC unroll 4
+      for (int i = 0; i < NW; ++i) a[i] = _mm512_dpbf16_ps(a[i], x0, pair(i, k));
+    }
+  } else {                                  // 1-3 weight rows: one at a time
+    for (int i = 0; i < nw; ++i) {
+      __m512 s = _mm512_setzero_ps(), t = _mm512_setzero_ps();
+      int64_t kk = 0;
+      for (; kk + 4 <= K; kk += 4) {
+        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_load_si512(xt + kk * 16), pair(i, kk));
+        t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_load_si512(xt + kk * 16 + 32), pair(i, kk + 2));
+      }
+      if (kk < K) s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_load_si512(xt + kk * 16), pair(i, kk));
+      a[i] = s;
+      b[i] = t;
+    }
+  }
+  alignas(64) float t[NW][16];
+#pragma GCC unroll 4
+  for (int i = 0; i < NW; ++i) _mm512_store_ps(t[i], _mm512_add_ps(a[i], b[i]));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int i = 0; i < nw; ++i) out[r * ldo + i] = t[i][r];
+}
+
+// Weight rows [n0, n1) of one group's weight w [N, K] (K even) against its `rows` (14-16) rows x.
+template <typename Tune>
+DEEPINFER_BF16_TARGET void xpanel_bf16_task(const uint16_t* w, const uint16_t* x, int64_t rows, int64_t K, int64_t n0,
+                                            int64_t n1, float* out, int64_t ldo, uint64_t key) {
+  // xt[(k / 2) * 32 + 2 r + (k % 2)] = x[r, k]: 16 rows x K values, as [K / 2][16][2]
+  const uint16_t* xt = transposed_rows<uint16_t>(K, key, [&](uint16_t* t) {
+    transpose_rows32(reinterpret_cast<const float*>(x), K / 2, rows, K / 2, reinterpret_cast<float*>(t));
+  });
+  for (int64_t n = n0; n < n1; n += 4)
+    xtile_bf16<Tune>(w + n * K, xt, K, out + n, ldo, rows, static_cast<int>(std::min<int64_t>(4, n1 - n)));
+}
+
 // x bf16 [M, K], wt bf16 [G, N, K], both contiguous -> out fp32 [M, N] (rows in no group left as they are).
 void grouped_rows_bf16(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), G = wt.size(0), N = wt.size(1);
@@ -850,8 +1066,13 @@ void grouped_rows_bf16(const at::Tensor& x, const at::Tensor& wt, const int64_t*
   float* outp = out.data_ptr<float>();
   const int64_t block_n = std::clamp<int64_t>(kTaskWeightBytes / (K * 2) / kNWb * kNWb, kNWb, kBlockN);
   const int64_t row_block = std::clamp<int64_t>(kRowBlockBytes / (K * 2) / kRb * kRb, kRb, 16 * kRb);
+  const bool xpanel = K % 2 == 0 && g_allow_xpanel.load(std::memory_order_relaxed);
+  const uint64_t call = g_call_id.fetch_add(1, std::memory_order_relaxed) * uint64_t(G + 1);
   with_tuning([&](auto tune) {
     for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
+      if (xpanel && r1 - r0 >= kXPanelMinRows && r1 - r0 <= kXPanelMaxRows)
+        return xpanel_bf16_task<decltype(tune)>(wp + g * N * K, xp + r0 * K, r1 - r0, K, n0, n1, outp + r0 * N, N,
+                                                call + g);
       bf16_task<decltype(tune)>(wp + g * N * K, xp + r0 * K, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
     }, block_n);
   });

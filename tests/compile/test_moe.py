@@ -315,7 +315,8 @@ def kernel_isa(request):
 @pytest.fixture(params=["xpanels", "panels", "tiles"])
 def panel_form(request):
     """The AVX2 kernel's groups of 12+ rows: transposed panels of weights (the default), with groups of 14-16 rows
-    transposed themselves instead (the default too: "xpanels"), or the dot-product tiles for all."""
+    transposed themselves instead (the default too: "xpanels"; in the AVX-512 form too, over fp32 weights), or the
+    dot-product tiles for all."""
     _kernels_or_skip()
     torch.ops.deepinfer_cpu.panel_form(request.param != "tiles")
     torch.ops.deepinfer_cpu.xpanel_form(request.param == "xpanels")
@@ -331,8 +332,9 @@ def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype, kernel_isa, panel
     """The CPU few-rows kernel against per-group matmuls in float64, in all its forms: groups of 0-40 rows
     (register tiles of 4 rows x 3 weight rows (AVX2) and 6 rows x 4 weight rows (AVX-512), with every remainder;
     on AVX2 groups of 12+ rows with K a multiple of 8 in 16-weight-row panels, N = 20 and 100 leaving part-panels,
-    and groups of 14-16 rows transposed (tiles of 6 and 4 weight rows, odd K leaving a bf16 pair's tail);
-    at K = 4100 the AVX-512 form's L2 blocks: 12 weight rows a task, 18 rows a block), K not a multiple of the
+    and groups of 14-16 rows transposed (tiles of 6 and 4 weight rows, odd K leaving a bf16 pair's tail; in the
+    AVX-512 form over fp32 weights, 4 weight rows a tile, N = 7, 9 and 30 leaving 1-3, the rows transposed 16
+    units at a time and K % 16 one by one); at K = 4100 the AVX-512 form's L2 blocks: 12 weight rows a task, 18 rows a block), K not a multiple of the
     vector width, rows 4 KB long (K = 1024: the AVX-512 form reads them from a copy with a longer stride), rows
     in no group; fp32 weights and bf16 ones (widened exactly: the reference is the same bf16 values in float64)."""
     g = torch.Generator().manual_seed(K * N)
@@ -392,13 +394,14 @@ def _has_bf16_dot() -> bool:
 def test_bf16_dot_kernel_matches(K, N):
     """The AVX512-BF16 kernel (bf16 rows and weights, fp32 sums) against float64 on the same bf16 values: groups of
     0-50 rows (tiles of 6 rows and 4 weight rows, every remainder; at K = 4100 its L2 blocks: 28 weight rows a
-    task, 42 rows a block), K not a multiple of 32 (the masked tail), rows in no group zero."""
+    task, 42 rows a block; groups of 14-16 rows transposed where K is even, N = 7, 9 and 30 leaving 1-3 weight rows
+    at a task's end), K not a multiple of 32 (the masked tail), rows in no group zero."""
     _kernels_or_skip()
     if not _has_bf16_dot():
         pytest.skip("this CPU has no AVX512-BF16: the dot-product kernel does not run here (the ops widen the rows "
                     "for the fp32 kernel instead: test_bf16_products_ops)")
     g = torch.Generator().manual_seed(K + N)
-    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7, 11, 12, 13, 17, 50]
+    sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7, 11, 12, 13, 14, 16, 15, 17, 50]
     M = sum(sizes) + 2
     x = torch.randn(K, M, generator=g).t().bfloat16()           # not contiguous
     wt = torch.randn(len(sizes), N, K, generator=g).bfloat16()
@@ -436,15 +439,24 @@ def _avx512_operands(form: str, seed: int, N: int, sizes: list[int]) -> tuple[to
 @pytest.mark.parametrize("form", ["fp32", "bf16 weights", "bf16 dot products"])
 def test_kernel_sums_do_not_depend_on_tiling(form):
     """The AVX-512 forms sum each output in one order whatever tile computes it: a row alone in its group gives
-    bit for bit what it gives among 2-16 rows, whether its tile makes the pass from memory (3-5 rows read as the
-    instructions' memory operands; the 5-row lead of 6-11-row groups) or a later one from cache."""
-    sizes = list(range(1, 17))
+    bit for bit what it gives among 2-13 rows, whether its tile makes the pass from memory (3-5 rows read as the
+    instructions' memory operands; the 5-row lead of 6-11-row groups) or a later one from cache. Groups of 14-16
+    rows (fp32 weights, bf16 dot products) take the transposed-rows form, which sums in its own order: there a
+    row's sums are the same bit for bit in a group of 14, 15 or 16 rows, and agree with the tiles' to rounding."""
+    sizes = list(range(1, 14))
     x, wt = _avx512_operands(form, 3, 12, sizes)
     M = sum(sizes)
     grouped = torch.ops.deepinfer_cpu.grouped_rows_mm(x, wt, torch.tensor(sizes).cumsum(0))
     each = wt.repeat_interleave(torch.tensor(sizes), dim=0)      # every row its own group, of its group's weight
     alone = torch.ops.deepinfer_cpu.grouped_rows_mm(x, each, torch.arange(1, M + 1))
     assert torch.equal(grouped, alone)
+
+    x, wt = _avx512_operands(form, 5, 12, [16])
+    wide = {n: torch.ops.deepinfer_cpu.grouped_rows_mm(x[:n], wt, torch.tensor([n])) for n in (14, 15, 16)}
+    assert torch.equal(wide[14], wide[16][:14]) and torch.equal(wide[15], wide[16][:15])
+    one_by_one = torch.cat([torch.ops.deepinfer_cpu.grouped_rows_mm(x[i:i + 1], wt, torch.tensor([1]))
+                            for i in range(16)])
+    torch.testing.assert_close(wide[16], one_by_one, rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.parametrize("form", ["fp32", "bf16 weights", "bf16 dot products"])
