@@ -21,6 +21,7 @@
 
 #include "simd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -144,7 +145,9 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
   TORCH_CHECK(0 < L && L <= Dc, "paged_mla_decode: kv_lora_rank ", L, " not in (0, ", Dc, "]");
   TORCH_CHECK(tables.size(0) == T && valid.size(0) == T && valid.size(1) == C,
               "paged_mla_decode: block_tables [", T, ", B] and valid [", T, ", B * ", bs, "] expected");
-  at::Tensor o = at::zeros({T, H, L}, q.options());
+  // every task writes its heads' rows of o (zeros where the token has no valid key): a zero fill of the whole
+  // output first cost 27 us a call (16 tokens, `mid`: 8 heads x 256), 0.2 ms of a 16-sequence decode step
+  at::Tensor o = at::empty({T, H, L}, q.options());
   at::Tensor lse = at::empty({T, H}, q.options());
   const float* qp = q.data_ptr<float>();
   const bool narrow = kv.scalar_type() == at::kBFloat16;
@@ -180,6 +183,7 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
       while (c1 > c0 && !vt[c1 - 1]) --c1;
       if (c0 == c1) {
         for (int64_t h = 0; h < HS; ++h) lt[h] = neg_inf;
+        std::fill(ot, ot + HS * L, 0.f);
         continue;
       }
       if (narrow) {
