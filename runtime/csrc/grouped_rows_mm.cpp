@@ -706,9 +706,9 @@ DEEPINFER_AVX512_TARGET void task512(const W* w, const float* x, int64_t ldx, in
 // tracks. bf16 weights keep the tiles above: widening each broadcast pair (a shift and a mask per two FMAs) ran them
 // at 0.8-0.9x. Each row's sum runs in its own lane in k order, so a row's bits do not depend on the group's other rows
 // (but differ from the tiles': these groups sum in another order). End to end, one process, the forms on and off
-// in turns (4-6 rounds): 16-sequence decode on `mid` 411 -> 444 tok/s, the demo model 10625 -> 11111; with bf16
-// products (the dot-product form below) `mid-bf16` 832 -> 886, the demo model 9976 -> 11240; bf16 activations on
-// `mid-bf16` 838 -> 843. DEEPINFER_CPU_XPANEL=0 or deepinfer_cpu::xpanel_form(False) keeps the tiles for them.
+// in turns (4-6 rounds): 16-sequence decode on `mid` 411 -> 444 tok/s; with bf16 products (the dot-product form
+// below) `mid-bf16` 832 -> 886, the demo model 9976 -> 11240; bf16 activations on `mid-bf16` 838 -> 843. (bf16
+// checkpoints under fp32 math, the demo model's default, have bf16 weights: they keep the tiles.) DEEPINFER_CPU_XPANEL=0 or deepinfer_cpu::xpanel_form(False) keeps the tiles for them.
 template <typename Tune, bool PF>
 DEEPINFER_AVX512_TARGET inline void xtile512(const float* w, const float* xt, int64_t K, float* out, int64_t ldo,
                                              int64_t rows) {
