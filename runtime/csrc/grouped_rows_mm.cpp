@@ -348,6 +348,26 @@ std::atomic<uint64_t> g_call_id{0};   // each grouped_rows_typed call's id: a th
 template <typename W>
 constexpr int xpanel_nw() { return std::is_same_v<W, float> ? 6 : 4; }
 
+// This thread's transposed rows for one call's group (`key`), built at the first of its tasks on that group:
+// [K][16] of T, 64-byte aligned, zero past the group's rows; `pack` fills it. Every x-panel form's (AVX2, AVX-512,
+// bf16 dot products): keys are unique across calls, so they share the buffer.
+template <typename T, typename Pack>
+T* transposed_rows(int64_t K, uint64_t key, const Pack& pack) {
+  thread_local std::vector<T> buf;
+  thread_local uint64_t built = ~uint64_t(0);
+  const size_t need = size_t(K + 1) * 16 + 64 / sizeof(T);
+  if (buf.size() < need) {
+    buf.resize(need);
+    built = ~uint64_t(0);
+  }
+  T* xt = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  if (built != key) {
+    pack(xt);
+    built = key;
+  }
+  return xt;
+}
+
 // xt[k * 16 + r] = x[r * K + k] for r < rows (<= 16), zero for rows..15.
 inline void pack_rows_t(const float* x, int64_t rows, int64_t K, float* xt) {
   for (int64_t k = 0; k < K; ++k)
@@ -401,17 +421,7 @@ void xpanel_tile(const W* w, const float* xt, int64_t K, float* out, int64_t ldo
 template <typename W>
 void xpanel_task(const W* w, const float* x, int64_t rows, int64_t K, int64_t n0, int64_t n1, float* out, int64_t ldo,
                  uint64_t key) {
-  thread_local std::vector<float> buf;
-  thread_local uint64_t built = ~uint64_t(0);
-  if (buf.size() < size_t(K * 16 + 8)) {
-    buf.resize(K * 16 + 8);
-    built = ~uint64_t(0);
-  }
-  float* xt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 31) & ~uintptr_t(31));
-  if (built != key) {
-    pack_rows_t(x, rows, K, xt);
-    built = key;
-  }
+  const float* xt = transposed_rows<float>(K, key, [&](float* t) { pack_rows_t(x, rows, K, t); });
   constexpr int NW = xpanel_nw<W>();
   int64_t n = n0;
   for (; n + NW <= n1; n += NW) xpanel_tile<NW>(w + n * K, xt, K, out + n, ldo, static_cast<int>(rows));
@@ -698,9 +708,9 @@ DEEPINFER_AVX512_TARGET void task512(const W* w, const float* x, int64_t ldx, in
 // horizontal sums), in two k phases (8 independent chains: a core with two 512-bit FMA pipes keeps them both busy),
 // the next tile's weight rows prefetched as this one streams. The tiles above make three passes over the weights at
 // 16 rows (6 + 6 + 4), the first from memory: here one pass, 5 loads to 4 FMAs, so the weights' stream and the FMAs
-// overlap. 2-core Zen 4 VM, 16 rows, weights out of cache (8 copies in turn), interleaved: the `mid` model's 672 x
-// 1024, 1024 x 512, 5632 x 1024, 1024 x 2816 and the 16384 x 1024 head 1.1-1.35x (e.g. the head 144-151 -> 190-211
-// GFLOP/s, 5632 x 1024 136-144 -> 179-186), the demo model's 1024-4096 x 256 1.0-1.06x. 8 weight rows a tile ran as
+// overlap. 2-core Zen 4 VM, 16 rows, weights out of cache (8 copies in turn), best of 3 interleaved rounds: the `mid`
+// model's 672-16384 x 1024 and 1024 x 2816 1.16-1.37x (the 16384 x 1024 head 143 -> 194 GFLOP/s), 1024 x 512 and
+// the demo model's 768-4096 x 256-384 1.03-1.04x; at 14 rows 1.11-1.29x and 0.96-0.97x. 8 weight rows a tile ran as
 // fast at most shapes but at K = 2304, 2816 and 3072 at 0.85x of the tiles above (and 12 or 16 weight rows at
 // 0.6-0.8x everywhere): the tile's concurrent weight streams, each a row 9-12 KB from the next, outrun what the core
 // tracks. bf16 weights keep the tiles above: widening each broadcast pair (a shift and a mask per two FMAs) ran them
@@ -708,11 +718,11 @@ DEEPINFER_AVX512_TARGET void task512(const W* w, const float* x, int64_t ldx, in
 // (but differ from the tiles': these groups sum in another order). End to end, one process, the forms on and off
 // in turns (4-6 rounds): 16-sequence decode on `mid` 411 -> 444 tok/s; with bf16 products (the dot-product form
 // below) `mid-bf16` 832 -> 886, the demo model 9976 -> 11240; bf16 activations on `mid-bf16` 838 -> 843. (bf16
-// checkpoints under fp32 math, the demo model's default, have bf16 weights: they keep the tiles.) DEEPINFER_CPU_XPANEL=0 or deepinfer_cpu::xpanel_form(False) keeps the tiles for them.
-template <typename Tune, bool PF>
+// checkpoints under fp32 math, the demo model's default, have bf16 weights: they keep the tiles.)
+// DEEPINFER_CPU_XPANEL=0 or deepinfer_cpu::xpanel_form(False) keeps the tiles for them.
+template <typename Tune, int NW, bool PF>
 DEEPINFER_AVX512_TARGET inline void xtile512(const float* w, const float* xt, int64_t K, float* out, int64_t ldo,
                                              int64_t rows) {
-  constexpr int NW = 4;
   __m512 a[NW], b[NW];
 #pragma GCC unroll 4
   for (int i = 0; i < NW; ++i) a[i] = b[i] = _mm512_setzero_ps();
@@ -739,21 +749,6 @@ DEEPINFER_AVX512_TARGET inline void xtile512(const float* w, const float* xt, in
   for (int i = 0; i < NW; ++i) _mm512_store_ps(t[i], _mm512_add_ps(a[i], b[i]));
   for (int64_t r = 0; r < rows; ++r)
     for (int i = 0; i < NW; ++i) out[r * ldo + i] = t[i][r];
-}
-
-// A one-weight-row x-panel tile (the task's last 1-3 weight rows).
-DEEPINFER_AVX512_TARGET inline void xrow512(const float* w, const float* xt, int64_t K, float* out, int64_t ldo,
-                                            int64_t rows) {
-  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 2 <= K; k += 2) {
-    a = _mm512_fmadd_ps(_mm512_set1_ps(w[k]), _mm512_load_ps(xt + k * 16), a);
-    b = _mm512_fmadd_ps(_mm512_set1_ps(w[k + 1]), _mm512_load_ps(xt + k * 16 + 16), b);
-  }
-  if (k < K) a = _mm512_fmadd_ps(_mm512_set1_ps(w[k]), _mm512_load_ps(xt + k * 16), a);
-  alignas(64) float t[16];
-  _mm512_store_ps(t, _mm512_add_ps(a, b));
-  for (int64_t r = 0; r < rows; ++r) out[r * ldo] = t[r];
 }
 
 // dst[u * 16 + r] = src[r * ld + u] for 32-bit units u < units and rows r < 16 (zero for r >= rows): 16 x 16
@@ -796,33 +791,14 @@ DEEPINFER_AVX512_TARGET inline void transpose_rows32(const float* src, int64_t l
     for (int64_t i = 0; i < 16; ++i) dst[u * 16 + i] = i < rows ? src[i * ld + u] : 0.0f;
 }
 
-// This thread's transposed rows for one call's group (`key`), built at the first of its tasks on that group:
-// [K][16] of T, 64-byte aligned, zero past the group's rows; `pack` fills it.
-template <typename T, typename Pack>
-T* transposed_rows(int64_t K, uint64_t key, const Pack& pack) {
-  thread_local std::vector<T> buf;
-  thread_local uint64_t built = ~uint64_t(0);
-  const size_t need = size_t(K + 1) * 16 + 64 / sizeof(T);
-  if (buf.size() < need) {
-    buf.resize(need);
-    built = ~uint64_t(0);
-  }
-  T* xt = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-  if (built != key) {
-    pack(xt);
-    built = key;
-  }
-  return xt;
-}
-
 // Weight rows [n0, n1) of one group's fp32 weight w [N, K] against its `rows` (14-16) rows x (row stride ldx).
 template <typename Tune>
 DEEPINFER_AVX512_TARGET void xpanel512_task(const float* w, const float* x, int64_t ldx, int64_t rows, int64_t K,
                                             int64_t n0, int64_t n1, float* out, int64_t ldo, uint64_t key) {
   const float* xt = transposed_rows<float>(K, key, [&](float* t) { transpose_rows32(x, ldx, rows, K, t); });
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) xtile512<Tune, true>(w + n * K, xt, K, out + n, ldo, rows);
-  for (; n < n1; ++n) xrow512(w + n * K, xt, K, out + n, ldo, rows);
+  for (; n + 4 <= n1; n += 4) xtile512<Tune, 4, true>(w + n * K, xt, K, out + n, ldo, rows);
+  for (; n < n1; ++n) xtile512<Tune, 1, false>(w + n * K, xt, K, out + n, ldo, rows);   // the last 1-3 weight rows
 }
 
 // Blocking for L2 (1 MB a core on Zen 4, 2 MB on recent Xeons): a task's weight rows ~256 KB, a row block ~384 KB.
@@ -985,13 +961,6 @@ DEEPINFER_BF16_TARGET void bf16_task(const uint16_t* w, const uint16_t* x, int64
   }
 }
 
-// Groups of kXPanelMinRows..16 rows, K even: the x-panel form of the fp32 kernel (above) with dot products. The
-// group's rows transposed once per call into pairs, xt[p] one 512-bit vector of (x[r, 2p], x[r, 2p + 1]) for the 16
-// rows r, and each weight pair (w[n, 2p], w[n, 2p + 1]) broadcast from memory into a VDPBF16PS: 4 weight rows a tile,
-// two pair phases, the next tile's rows prefetched. One pass over the weights instead of three; 2-core Zen 4 VM, 16
-// rows, weights out of cache, best of 3 interleaved rounds: the `mid` model's 672-16384 x 1024 1.06-1.09x (the head
-// 335 -> 364 GFLOP/s), 1024 x 2816 1.29x, the demo model's 1024-4096 x 256 1.03-1.06x. Odd K (the last pair would
-// reach past the row's end) keeps the tiles.
 // (p[0], p[1]) in every 32-bit lane.
 DEEPINFER_BF16_TARGET inline __m512bh bf16_pair(const uint16_t* p) {
   int32_t v;
@@ -999,51 +968,43 @@ DEEPINFER_BF16_TARGET inline __m512bh bf16_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-template <typename Tune>
+// Groups of kXPanelMinRows..16 rows, K even: the x-panel form of the fp32 kernel (above) with dot products. The
+// group's rows transposed once per call into pairs, xt[p] one 512-bit vector of (x[r, 2p], x[r, 2p + 1]) for the 16
+// rows r, and each weight pair (w[n, 2p], w[n, 2p + 1]) broadcast from memory into a VDPBF16PS: 4 weight rows a tile,
+// two pair phases, the next tile's rows prefetched. One pass over the weights instead of three; 2-core Zen 4 VM, 16
+// rows, weights out of cache, best of 3 interleaved rounds: the `mid` model's 672-16384 x 1024 1.06-1.09x (the head
+// 335 -> 364 GFLOP/s), 1024 x 2816 1.29x, the demo model's 1024-4096 x 256 1.03-1.06x. Odd K (the last pair would
+// reach past the row's end) keeps the tiles.
+template <typename Tune, int NW, bool PF>
 DEEPINFER_BF16_TARGET inline void xtile_bf16(const uint16_t* w, const uint16_t* xt, int64_t K, float* out, int64_t ldo,
-                                             int64_t rows, int nw) {
-  constexpr int NW = 4;
+                                             int64_t rows) {
   __m512 a[NW], b[NW];
 #pragma GCC unroll 4
   for (int i = 0; i < NW; ++i) a[i] = b[i] = _mm512_setzero_ps();
   auto pair = [&](int i, int64_t k) { return bf16_pair(w + i * K + k); };
   int64_t k = 0;
-  if (nw == NW) {
-    for (; k + 4 <= K; k += 4) {
-      if ((k & 31) == 0) {
+  for (; k + 4 <= K; k += 4) {
+    if (PF && (k & 31) == 0) {
 #pragma GCC unroll 4
-        for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + (NW + i) * K + k), Tune::kHint);
-      }
-      const __m512bh x0 = (__m512bh)_mm512_load_si512(xt + k * 16), x1 = (__m512bh)_mm512_load_si512(xt + k * 16 + 32);
+      for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + (NW + i) * K + k), Tune::kHint);
+    }
+    const __m512bh x0 = (__m512bh)_mm512_load_si512(xt + k * 16), x1 = (__m512bh)_mm512_load_si512(xt + k * 16 + 32);
 #pragma GCC unroll 4
-      for (int i = 0; i < NW; ++i) {
-        a[i] = _mm512_dpbf16_ps(a[i], x0, pair(i, k));
-        b[i] = _mm512_dpbf16_ps(b[i], x1, pair(i, k + 2));
-      }
+    for (int i = 0; i < NW; ++i) {
+      a[i] = _mm512_dpbf16_ps(a[i], x0, pair(i, k));
+      b[i] = _mm512_dpbf16_ps(b[i], x1, pair(i, k + 2));
     }
-    if (k < K) {
-      const __m512bh x0 = (__m512bh)_mm512_load_si512(xt + k * 16);
+  }
+  if (k < K) {
+    const __m512bh x0 = (__m512bh)_mm512_load_si512(xt + k * 16);
 #pragma GCC unroll 4
-      for (int i = 0; i < NW; ++i) a[i] = _mm512_dpbf16_ps(a[i], x0, pair(i, k));
-    }
-  } else {                                  // 1-3 weight rows: one at a time
-    for (int i = 0; i < nw; ++i) {
-      __m512 s = _mm512_setzero_ps(), t = _mm512_setzero_ps();
-      int64_t kk = 0;
-      for (; kk + 4 <= K; kk += 4) {
-        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_load_si512(xt + kk * 16), pair(i, kk));
-        t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_load_si512(xt + kk * 16 + 32), pair(i, kk + 2));
-      }
-      if (kk < K) s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_load_si512(xt + kk * 16), pair(i, kk));
-      a[i] = s;
-      b[i] = t;
-    }
+    for (int i = 0; i < NW; ++i) a[i] = _mm512_dpbf16_ps(a[i], x0, pair(i, k));
   }
   alignas(64) float t[NW][16];
 #pragma GCC unroll 4
   for (int i = 0; i < NW; ++i) _mm512_store_ps(t[i], _mm512_add_ps(a[i], b[i]));
   for (int64_t r = 0; r < rows; ++r)
-    for (int i = 0; i < nw; ++i) out[r * ldo + i] = t[i][r];
+    for (int i = 0; i < NW; ++i) out[r * ldo + i] = t[i][r];
 }
 
 // Weight rows [n0, n1) of one group's weight w [N, K] (K even) against its `rows` (14-16) rows x.
@@ -1054,8 +1015,9 @@ DEEPINFER_BF16_TARGET void xpanel_bf16_task(const uint16_t* w, const uint16_t* x
   const uint16_t* xt = transposed_rows<uint16_t>(K, key, [&](uint16_t* t) {
     transpose_rows32(reinterpret_cast<const float*>(x), K / 2, rows, K / 2, reinterpret_cast<float*>(t));
   });
-  for (int64_t n = n0; n < n1; n += 4)
-    xtile_bf16<Tune>(w + n * K, xt, K, out + n, ldo, rows, static_cast<int>(std::min<int64_t>(4, n1 - n)));
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) xtile_bf16<Tune, 4, true>(w + n * K, xt, K, out + n, ldo, rows);
+  for (; n < n1; ++n) xtile_bf16<Tune, 1, false>(w + n * K, xt, K, out + n, ldo, rows);   // the last 1-3 weight rows
 }
 
 // x bf16 [M, K], wt bf16 [G, N, K], both contiguous -> out fp32 [M, N] (rows in no group left as they are).

@@ -334,9 +334,10 @@ def test_grouped_rows_kernel_matches(K, N, offs_dtype, wdtype, kernel_isa, panel
     on AVX2 groups of 12+ rows with K a multiple of 8 in 16-weight-row panels, N = 20 and 100 leaving part-panels,
     and groups of 14-16 rows transposed (tiles of 6 and 4 weight rows, odd K leaving a bf16 pair's tail; in the
     AVX-512 form over fp32 weights, 4 weight rows a tile, N = 7, 9 and 30 leaving 1-3, the rows transposed 16
-    units at a time and K % 16 one by one); at K = 4100 the AVX-512 form's L2 blocks: 12 weight rows a task, 18 rows a block), K not a multiple of the
-    vector width, rows 4 KB long (K = 1024: the AVX-512 form reads them from a copy with a longer stride), rows
-    in no group; fp32 weights and bf16 ones (widened exactly: the reference is the same bf16 values in float64)."""
+    units at a time and K % 16 one by one); at K = 4100 the AVX-512 form's L2 blocks: 12 weight rows a task, 18
+    rows a block), K not a multiple of the vector width, rows 4 KB long (K = 1024: the AVX-512 form reads them
+    from a copy with a longer stride), rows in no group; fp32 weights and bf16 ones (widened exactly: the
+    reference is the same bf16 values in float64)."""
     g = torch.Generator().manual_seed(K * N)
     sizes = [0, 1, 2, 3, 4, 5, 6, 9, 0, 7, 11, 12, 13, 14, 16, 17, 40]
     M = sum(sizes) + 2
