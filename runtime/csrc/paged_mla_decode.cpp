@@ -3,7 +3,7 @@
 //
 //   q [T, H, Dc]            each token's absorbed query (W_UK folded into the nope part, then the rope part)
 //   kv_cache [NB, bs, Dc]   the latent pool: per slot the normed c_kv (first kv_lora_rank) and the roped k_pe;
-//                           fp32, or bf16 (--dtype bfloat16): a task widens its token's span of keys once
+//                           fp32, or bf16 (--dtype bfloat16): a task widens each block of its keys once
 //   block_tables [T, B]     each token's pool blocks, in key order (key c lives in block c / bs, slot c % bs)
 //   valid [T, B * bs]       which keys each token attends to (its own positions so far; with CP, those it owns)
 //   -> o [T, H, kv_lora_rank] = softmax(scale * q . k) . c_kv over the valid keys (zero where none is),
@@ -11,9 +11,20 @@
 //                             context-parallel merge of partial attentions.
 //
 // The graph form gathers every token's context into a fresh [T, C, Dc] buffer and runs two batched GEMMs over it;
-// here each token's keys are read where they lie, scored against all its heads at once, and the softmax-weighted
-// latent sum is accumulated in place: no gather, no [T, H, C] round trip through memory. Tokens run in parallel
-// on torch's thread pool. Built with grouped_rows_mm.cpp by runtime/cpu_kernels.py.
+// here each token's keys are read where they lie, in blocks of kKeyBlock valid keys: a block is scored against all
+// the token's heads (4 heads x 3 keys a register tile), folded into each head's running softmax (flash decoding's
+// online form: the sums so far rescaled when the max rises) and summed into the output (4 heads x 24 lanes a tile)
+// while its rows are still in cache, the rows kPrefetchRows keys ahead prefetched: no gather, no [T, H, C] round
+// trip through memory, each key read from memory once. Tokens run in parallel on torch's thread pool. Built with
+// grouped_rows_mm.cpp by runtime/cpu_kernels.py.
+//
+// The first form scored a token's whole span of keys, then summed it 16 output lanes at a time (the span re-read
+// for each 16 lanes: from memory once it passed L2), 8 heads x 1 key a score tile (9 loads to 8 FMAs), no
+// prefetch. Against it, on a 2-core Zen 4 VM, pools out of cache (rotated through ~96 MB), best of 3 interleaved
+// rounds: `mid` (8 heads, 256 + 32) at 16 tokens x 128 / 512 / 2048 keys 1.29x / 1.45x / 1.97x (fp32 pool),
+// 1.16x / 1.39x / 1.71x (bf16), one token x 2048 keys 2.4x / 1.7x; V2-Lite widths (16 heads, 512 + 64) 1.65x /
+// 1.77x / 2.09x and 1.37-1.59x. Inside the engine (the op timed in place, the two forms alternating run by run, 16
+// sequences of `mid`): 1.40x at 256-496 keys, 1.30x at 32-232 (`mid-bf16`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -40,91 +52,133 @@ inline void widen_row(const at::BFloat16* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Scores of NH heads x NK keys (NH * NK = 8) in one pass over Dc: s[h * ldc + k] = q[h] . key[k] (unscaled).
+// Keys a block: each block of a token's valid keys is scored, folded into the running softmax and summed into the
+// output while its rows are in cache (an online softmax, as flash decoding), so a long context's keys are read from
+// memory once. The first form scored the whole span, then summed it 16 output lanes at a time: a span past L2
+// (2048 keys of `mid`, 2.3 MB) came from memory again for every 16 lanes.
+constexpr int64_t kKeyBlock = 32;
+// Software prefetch distance, in keys: the pool's rows come from memory (a layer's KV is read once a step).
+constexpr int64_t kPrefetchRows = 8;
+
+// The horizontal sums of acc[0..N) -> out[0..N), eight at a time in one hadd tree.
+template <int N>
+inline void hsums(const __m256* acc, float* out) {
+  alignas(32) float r[8];
+#pragma GCC unroll 2
+  for (int i = 0; i < N; i += 8) {
+    if (i + 8 <= N) {
+      _mm256_store_ps(r, hsum8(acc + i));
+    } else {
+      __m256 a[8];
+      for (int j = 0; j < 8; ++j) a[j] = i + j < N ? acc[i + j] : _mm256_setzero_ps();
+      _mm256_store_ps(r, hsum8(a));
+    }
+    for (int j = 0; j < 8 && i + j < N; ++j) out[i + j] = r[j];
+  }
+}
+
+// Scores of NH heads x NK keys in one pass over Dc: s[h * lds + k] = q[h] . key[k] (unscaled). 4 x 3: 12
+// accumulators, 7 loads to 12 FMAs.
 template <int NH, int NK>
-inline void score_tile(const float* q, const float* const* keys, int64_t Dc, float* s, int64_t ldc) {
-  __m256 acc[8];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+inline void score_tile(const float* q, const float* const* keys, int64_t Dc, float* s, int64_t lds,
+                       const char* const* pf) {
+  __m256 acc[NH * NK];
+#pragma GCC unroll 12
+  for (int i = 0; i < NH * NK; ++i) acc[i] = _mm256_setzero_ps();
   int64_t d = 0;
   for (; d + 8 <= Dc; d += 8) {
+    if (pf != nullptr && (d & 15) == 0) {
+#pragma GCC unroll 8
+      for (int k = 0; k < NK; ++k) _mm_prefetch(pf[k] + 4 * d, _MM_HINT_T1);
+    }
     __m256 kv[NK];
 #pragma GCC unroll 8
     for (int k = 0; k < NK; ++k) kv[k] = _mm256_loadu_ps(keys[k] + d);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
       const __m256 qv = _mm256_loadu_ps(q + h * Dc + d);
 #pragma GCC unroll 8
       for (int k = 0; k < NK; ++k) acc[h * NK + k] = _mm256_fmadd_ps(qv, kv[k], acc[h * NK + k]);
     }
   }
-  alignas(32) float r[8];
-  _mm256_store_ps(r, hsum8(acc));
-#pragma GCC unroll 8
+  float r[NH * NK];
+  hsums<NH * NK>(acc, r);
   for (int h = 0; h < NH; ++h)
-#pragma GCC unroll 8
     for (int k = 0; k < NK; ++k) {
       float v = r[h * NK + k];
       for (int64_t dd = d; dd < Dc; ++dd) v += q[h * Dc + dd] * keys[k][dd];
-      s[h * ldc + k] = v;
+      s[h * lds + k] = v;
     }
 }
 
-// Scores of all H heads for keys [c0, c1) -> s [H][C] (head-major), NH heads x 8/NH keys at a time.
-template <int NH>
-void score_keys(const float* q, const float* const* key_rows, int64_t c0, int64_t c1, int64_t H, int64_t Dc,
-                float* s, int64_t C) {
-  constexpr int NK = 8 / NH;
-  const float* pad[NK];
-  for (int64_t c = c0; c < c1; c += NK) {
-    const float* const* keys = key_rows + c;
-    if (c + NK > c1) {               // the last keys: repeat the final one, keep the real results only
-      for (int k = 0; k < NK; ++k) pad[k] = key_rows[std::min(c + k, c1 - 1)];
-      keys = pad;
-    }
-    alignas(32) float tmp[8 * NK];
-    for (int64_t h = 0; h < H; h += NH) {
-      score_tile<NH, NK>(q + h * Dc, keys, Dc, tmp, NK);
+// Scores of heads [0, HS) against a block's n keys -> s[h * kKeyBlock + k]: 4 heads x 3 keys a tile, the other
+// heads one at a time x 8 keys; a tile past the last key repeats it and keeps the real results only. The first
+// pass over the keys (the first heads') prefetches the fp32 rows `ahead` (kPrefetchRows on, over the task's later
+// keys: `ahead[k]` for key k of this block, n_ahead of them).
+void score_block(const float* q, int64_t HS, int64_t Dc, const float* const* keys, int64_t n, float* s,
+                 const char* const* ahead, int64_t n_ahead) {
+  const auto run = [&](auto nh, auto nk, int64_t h) {
+    constexpr int NH = decltype(nh)::value, NK = decltype(nk)::value;
+    for (int64_t k = 0; k < n; k += NK) {
+      const float* pad[NK];
+      const float* const* kk = keys + k;
+      if (k + NK > n) {
+        for (int j = 0; j < NK; ++j) pad[j] = keys[std::min(k + j, n - 1)];
+        kk = pad;
+      }
+      const char* pfs[NK];
+      const char* const* pf = nullptr;
+      if (h == 0 && n_ahead > 0) {
+        for (int j = 0; j < NK; ++j) pfs[j] = ahead[std::min(k + j, n_ahead - 1)];
+        pf = pfs;
+      }
+      float tmp[NH * NK];
+      score_tile<NH, NK>(q + h * Dc, kk, Dc, tmp, NK, pf);
       for (int hh = 0; hh < NH; ++hh)
-        for (int k = 0; k < NK && c + k < c1; ++k) s[(h + hh) * C + c + k] = tmp[hh * NK + k];
+        for (int j = 0; j < NK && k + j < n; ++j) s[(h + hh) * kKeyBlock + k + j] = tmp[hh * NK + j];
     }
-  }
+  };
+  int64_t h = 0;
+  for (; h + 4 <= HS; h += 4) run(std::integral_constant<int, 4>{}, std::integral_constant<int, 3>{}, h);
+  for (; h < HS; ++h) run(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}, h);
 }
 
-// o[h, d0 .. d0 + 16) for NH heads = sum over valid keys c of p[h][c] * v_c[d0 .. d0 + 16), in registers.
-template <int NH>
-inline void weighted_sum16(const float* p, int64_t C, const float* const* key_rows, const bool* valid, int64_t c0,
-                           int64_t c1, int64_t d0, float* o, int64_t L) {
-  __m256 acc[NH][2];
+// o[h * L + d0 ..+ 8 ND) += sum_k p[h * kKeyBlock + k] * key[k][d0 ..] for NH heads over a block's n keys, the
+// accumulators in registers: 4 heads x 24 lanes, 7 loads to 12 FMAs.
+template <int NH, int ND>
+inline void weighted_tile(const float* p, const float* const* keys, int64_t n, int64_t d0, float* o, int64_t L) {
+  __m256 acc[NH][ND];
 #pragma GCC unroll 4
-  for (int h = 0; h < NH; ++h) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-  for (int64_t c = c0; c < c1; ++c) {
-    if (!valid[c]) continue;
-    const __m256 v0 = _mm256_loadu_ps(key_rows[c] + d0), v1 = _mm256_loadu_ps(key_rows[c] + d0 + 8);
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 3
+    for (int j = 0; j < ND; ++j) acc[h][j] = _mm256_loadu_ps(o + h * L + d0 + 8 * j);
+  for (int64_t k = 0; k < n; ++k) {
+    __m256 v[ND];
+#pragma GCC unroll 3
+    for (int j = 0; j < ND; ++j) v[j] = _mm256_loadu_ps(keys[k] + d0 + 8 * j);
 #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
-      const __m256 ph = _mm256_broadcast_ss(p + h * C + c);
-      acc[h][0] = _mm256_fmadd_ps(ph, v0, acc[h][0]);
-      acc[h][1] = _mm256_fmadd_ps(ph, v1, acc[h][1]);
+      const __m256 ph = _mm256_broadcast_ss(p + h * kKeyBlock + k);
+#pragma GCC unroll 3
+      for (int j = 0; j < ND; ++j) acc[h][j] = _mm256_fmadd_ps(ph, v[j], acc[h][j]);
     }
   }
 #pragma GCC unroll 4
-  for (int h = 0; h < NH; ++h) {
-    _mm256_storeu_ps(o + h * L + d0, acc[h][0]);
-    _mm256_storeu_ps(o + h * L + d0 + 8, acc[h][1]);
-  }
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 3
+    for (int j = 0; j < ND; ++j) _mm256_storeu_ps(o + h * L + d0 + 8 * j, acc[h][j]);
 }
 
+// o[h] += sum_k p[h][k] * key[k][0 .. L) for heads [h0, h0 + NH).
 template <int NH>
-void weighted_sum(const float* p, int64_t C, const float* const* key_rows, const bool* valid, int64_t c0, int64_t c1,
-                  int64_t L, float* o) {
+void weighted_heads(const float* p, const float* const* keys, int64_t n, int64_t L, float* o) {
   int64_t d = 0;
-  for (; d + 16 <= L; d += 16) weighted_sum16<NH>(p, C, key_rows, valid, c0, c1, d, o, L);
+  for (; d + 24 <= L; d += 24) weighted_tile<NH, 3>(p, keys, n, d, o, L);
+  for (; d + 8 <= L; d += 8) weighted_tile<NH, 1>(p, keys, n, d, o, L);
   for (; d < L; ++d)
     for (int h = 0; h < NH; ++h) {
-      float a = 0.f;
-      for (int64_t c = c0; c < c1; ++c)
-        if (valid[c]) a += p[h * C + c] * key_rows[c][d];
+      float a = o[h * L + d];
+      for (int64_t k = 0; k < n; ++k) a += p[h * kKeyBlock + k] * keys[k][d];
       o[h * L + d] = a;
     }
 }
@@ -168,9 +222,13 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
   while (T * (H / HS) < at::get_num_threads() && HS % 2 == 0 && HS / 2 >= 4) HS /= 2;
   const int64_t slices = H / HS;
   at::parallel_for(0, T * slices, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(HS * C);  // head-major [HS][C]: scores, then probabilities
-    std::vector<const float*> key_rows(C);
-    std::vector<float> widened;         // a bf16 pool: the task's span of keys in fp32, [c1 - c0][Dc]
+    std::vector<float> sc(HS * kKeyBlock);   // a block's scores, then probabilities: [HS][kKeyBlock]
+    std::vector<float> mx(HS), sum(HS);      // each head's running max and sum of exp(score - max)
+    std::vector<const char*> rows(C);        // the token's valid keys' rows in the pool, in key order
+    std::vector<float> widened;              // a bf16 pool: the block's keys in fp32, [kKeyBlock][Dc]
+    if (narrow) widened.resize(kKeyBlock * Dc);
+    const float* block_keys[kKeyBlock];
+    const int64_t row_bytes = Dc * (narrow ? 2 : 4);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / slices, h0 = (task % slices) * HS;
       const float* qt = qp + (t * H + h0) * Dc;
@@ -178,64 +236,72 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
       const int64_t* tt = tp + t * B;
       float* ot = op + (t * H + h0) * L;
       float* lt = lp + t * H + h0;
-      int64_t c0 = 0, c1 = C;            // only the span of valid keys is read
-      while (c0 < C && !vt[c0]) ++c0;
-      while (c1 > c0 && !vt[c1 - 1]) --c1;
-      if (c0 == c1) {
-        for (int64_t h = 0; h < HS; ++h) lt[h] = neg_inf;
-        std::fill(ot, ot + HS * L, 0.f);
-        continue;
-      }
-      if (narrow) {
-        widened.resize((c1 - c0) * Dc);
-        for (int64_t c = c0; c < c1; ++c) {
-          float* row = widened.data() + (c - c0) * Dc;
-          widen_row(kvb + (tt[c / bs] * bs + c % bs) * Dc, Dc, row);
-          key_rows[c] = row;
-        }
-      } else {
-        for (int64_t c = c0; c < c1; ++c) key_rows[c] = kvp + (tt[c / bs] * bs + c % bs) * Dc;
-      }
-      float* sc = scores.data();
-      if (HS % 8 == 0) score_keys<8>(qt, key_rows.data(), c0, c1, HS, Dc, sc, C);
-      else if (HS % 4 == 0) score_keys<4>(qt, key_rows.data(), c0, c1, HS, Dc, sc, C);
-      else if (HS % 2 == 0) score_keys<2>(qt, key_rows.data(), c0, c1, HS, Dc, sc, C);
-      else score_keys<1>(qt, key_rows.data(), c0, c1, HS, Dc, sc, C);
-      for (int64_t h = 0; h < HS; ++h) {  // softmax over the valid keys, per head
-        float* row = sc + h * C;
-        float mx = neg_inf;
-        for (int64_t c = c0; c < c1; ++c) {
-          row[c] = vt[c] ? row[c] * s : neg_inf;
-          if (!(row[c] <= mx)) mx = row[c];   // NaN propagates, as in the torch form
-        }
-        const __m256 mv = _mm256_set1_ps(mx);
-        __m256 sum8 = _mm256_setzero_ps();
-        int64_t c = c0;
-        for (; c + 8 <= c1; c += 8) {
-          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + c), mv));
-          _mm256_storeu_ps(row + c, e);
-          sum8 = _mm256_add_ps(sum8, e);
-        }
-        alignas(32) float part[8];
-        _mm256_store_ps(part, sum8);
-        float sum = part[0] + part[1] + part[2] + part[3] + part[4] + part[5] + part[6] + part[7];
-        for (; c < c1; ++c) {
-          row[c] = std::exp(row[c] - mx);
-          sum += row[c];
-        }
-        for (c = c0; c < c1; ++c) {       // masked keys: exactly zero (the vector exp clamps -inf)
-          if (!vt[c]) {
-            sum -= row[c];
-            row[c] = 0.f;
+      std::fill(ot, ot + HS * L, 0.f);
+      std::fill(mx.begin(), mx.end(), neg_inf);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      int64_t nv = 0;
+      const char* pool = narrow ? reinterpret_cast<const char*>(kvb) : reinterpret_cast<const char*>(kvp);
+      for (int64_t c = 0; c < C; ++c)
+        if (vt[c]) rows[nv++] = pool + (tt[c / bs] * bs + c % bs) * row_bytes;
+      for (int64_t i = 0; i < nv; i += kKeyBlock) {
+        const int64_t n = std::min(kKeyBlock, nv - i);
+        const float* const* keys;
+        const int64_t pf0 = std::min(i + kPrefetchRows, nv);   // the rows kPrefetchRows keys ahead
+        const char* const* ahead = rows.data() + pf0;
+        int64_t n_ahead = nv - pf0;
+        if (narrow) {                        // widened a row at a time, the row kPrefetchRows ahead prefetched
+          for (int64_t k = 0; k < n; ++k) {
+            if (k < n_ahead)
+              for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(ahead[k] + b, _MM_HINT_T1);
+            float* row = widened.data() + k * Dc;
+            widen_row(reinterpret_cast<const at::BFloat16*>(rows[i + k]), Dc, row);
+            block_keys[k] = row;
           }
+          keys = block_keys;
+          n_ahead = 0;
+        } else {
+          keys = reinterpret_cast<const float* const*>(rows.data() + i);
         }
-        const float inv = 1.f / sum;
-        for (c = c0; c < c1; ++c) row[c] *= inv;
-        lt[h] = mx + std::log(sum);
+        float* p = sc.data();
+        score_block(qt, HS, Dc, keys, n, p, ahead, std::min(n_ahead, n));
+        for (int64_t h = 0; h < HS; ++h) {   // the running softmax: rescale what came before to the new max
+          float* ph = p + h * kKeyBlock;
+          float m = mx[h];
+          for (int64_t k = 0; k < n; ++k) {
+            ph[k] *= s;
+            if (!(ph[k] <= m)) m = ph[k];    // NaN propagates, as in the torch form
+          }
+          if (m != mx[h]) {                  // (the first block: nothing to rescale, o and sum are zero)
+            const float a = mx[h] == neg_inf ? 1.f : std::exp(mx[h] - m);
+            if (a != 1.f) {
+              sum[h] *= a;
+              float* oh = ot + h * L;
+              for (int64_t d = 0; d < L; ++d) oh[d] *= a;
+            }
+            mx[h] = m;
+          }
+          const __m256 mv = _mm256_set1_ps(m);
+          int64_t k = 0;
+          for (; k + 8 <= n; k += 8) _mm256_storeu_ps(ph + k, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(ph + k), mv)));
+          for (; k < n; ++k) ph[k] = std::exp(ph[k] - m);
+          float add = 0.f;
+          for (k = 0; k < n; ++k) add += ph[k];
+          sum[h] += add;
+        }
+        int64_t h = 0;
+        for (; h + 4 <= HS; h += 4) weighted_heads<4>(p + h * kKeyBlock, keys, n, L, ot + h * L);
+        for (; h < HS; ++h) weighted_heads<1>(p + h * kKeyBlock, keys, n, L, ot + h * L);
       }
-      int64_t h = 0;
-      for (; h + 4 <= HS; h += 4) weighted_sum<4>(sc + h * C, C, key_rows.data(), vt, c0, c1, L, ot + h * L);
-      for (; h < HS; ++h) weighted_sum<1>(sc + h * C, C, key_rows.data(), vt, c0, c1, L, ot + h * L);
+      for (int64_t h = 0; h < HS; ++h) {
+        if (nv == 0) {                       // no valid key: zeros, lse -inf
+          lt[h] = neg_inf;
+          continue;
+        }
+        const float inv = 1.f / sum[h];
+        float* oh = ot + h * L;
+        for (int64_t d = 0; d < L; ++d) oh[d] *= inv;
+        lt[h] = mx[h] + std::log(sum[h]);
+      }
     }
   });
   return {o, lse};

@@ -765,13 +765,15 @@ def _paged_reference(q, kv, tables, valid, L, scale):
 
 @pytest.mark.parametrize("T,H,Dc,L,bs,B,scale", [(16, 8, 288, 256, 16, 8, 0.125), (5, 13, 83, 50, 4, 6, 0.125),
                                                   (3, 4, 80, 64, 16, 3, 0.125), (4, 6, 40, 24, 16, 2, 0.125),
-                                                  (3, 8, 64, 48, 16, 4, 10.0), (1, 16, 72, 64, 16, 3, 0.125)])
+                                                  (3, 8, 64, 48, 16, 4, 10.0), (1, 16, 72, 64, 16, 3, 0.125),
+                                                  (2, 8, 288, 256, 16, 40, 2.0)])
 def test_paged_mla_decode_matches(T, H, Dc, L, bs, B, scale):
     """Paged MLA decode attention against float64 over the gathered context: the op's torch path (any machine),
     then the CPU kernel, the op and the op's non-fp32 path where the kernels build. Head counts taking every
     score tile (8, 4, 2 and 1 heads at a time, with key tails), widths no multiple of 8, scattered blocks, masked
     keys inside the valid span, a token with no valid key (zeros, lse -inf), score spreads far past the
-    vectorised exp's clamp (scale 10), and one token whose heads are split over threads; and a bf16 pool."""
+    vectorised exp's clamp (scale 10), one token whose heads are split over threads, a long context (~450 valid
+    keys: 14 of the kernel's key blocks, each rescaling the running softmax); and a bf16 pool."""
     g = torch.Generator().manual_seed(T * H + Dc)
     q, kv = torch.randn(T, H, Dc, generator=g), torch.randn(40, bs, Dc, generator=g)
     tables = torch.randint(0, 40, (T, B), generator=g)
