@@ -1,11 +1,14 @@
 """Our compiled engine vs transformers vs our own model in eager PyTorch, on the same checkpoint, this CPU.
 
     python benchmarks/cpu_vs_transformers.py [--configs small,mid,mid-bf16] [--layouts 1x1,2x2,4x4] [--out FILE.md]
+                                             [--prompt-len 32]
 
 Builds random-weight DeepSeek-V3 checkpoints with transformers' save_pretrained, compiles them with the
 `cpu` backend (AOTInductor; cached by graph hash), and prints one table: prefill tokens/s, decode
 ms/token at batch 1, decode tokens/s at 16 concurrent sequences, and the time to the first tokens of 16
-concurrent 32-token prompts, each with the ratio to transformers (its batched `generate`).
+concurrent 32-token prompts, each with the ratio to transformers (its batched `generate`). --prompt-len N
+makes the decode prompts (and the first tokens' prompts) N tokens long: decode over a longer context, where
+attention's share of a step grows.
 A config named NAME-bf16 is NAME's model saved as a bf16 checkpoint (as real ones ship; the demo model is one
 too), which we compile as stored (--weight-dtype auto: bf16 weight matrices, float32 math) and transformers
 runs in float32 (the same math on the same weights: the logits agree to float32 rounding; tests/compile/test_matches_transformers.py) and in
@@ -56,6 +59,7 @@ CONFIGS = {
 PREFILL_LEN = 256
 DECODE_TOKENS = 32
 BATCH = 16
+PROMPT_LEN = 32     # the decode measurements' prompts (--prompt-len)
 
 
 # Rounds per measurement. Every engine runs each measurement once a round, the engines taking turns: this
@@ -102,8 +106,8 @@ def transformers_runs(ck: Path, vocab: int, dtype: torch.dtype = torch.float32
     except Exception:
         impl = "default"
     p = torch.tensor(prompts(1, PREFILL_LEN, vocab))
-    short = torch.tensor(prompts(1, 32, vocab))
-    batch = torch.tensor(prompts(BATCH, 32, vocab, seed=1))
+    short = torch.tensor(prompts(1, PROMPT_LEN, vocab))
+    batch = torch.tensor(prompts(BATCH, PROMPT_LEN, vocab, seed=1))
 
     @torch.inference_mode()
     def gen(x, n):
@@ -126,7 +130,8 @@ def engine_runs(engine, vocab: int) -> dict[str, Callable[[], object]]:
     def gen(ps, n):
         return engine.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True))
     gen(prompts(2, 40, vocab), 4)                     # warm every graph kind once
-    p, short, batch = prompts(1, PREFILL_LEN, vocab), prompts(1, 32, vocab), prompts(BATCH, 32, vocab, seed=1)
+    p, short = prompts(1, PREFILL_LEN, vocab), prompts(1, PROMPT_LEN, vocab)
+    batch = prompts(BATCH, PROMPT_LEN, vocab, seed=1)
     return {"prefill": lambda: gen(p, 1), "t1": lambda: gen(short, 1), "tn": lambda: gen(short, DECODE_TOKENS + 1),
             "b1": lambda: gen(batch, 1), "bn": lambda: gen(batch, DECODE_TOKENS + 1)}
 
@@ -157,8 +162,12 @@ def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, back
                 matmul_dtype: str = "auto", dtype: str = "float32") -> Path:
     from deepinfer.compile.driver import compile_artifact
     from deepinfer.compile.options import CompileOptions
+    limit = 512                      # past the prompts, the decoded tokens and a chunk's padding
+    while limit < PROMPT_LEN + DECODE_TOKENS + 1:
+        limit *= 2
+    buckets = tuple(b for b in (128, 256, 512, 1024, 2048, 4096) if b < limit)
     compile_artifact(CompileOptions(model=ck, out=out, backend=backend, cp=cp, ep=ep, decode_buckets=(1, 16),
-                                    prefill_buckets=(256,), context_buckets=(128, 256), context_limit=512,
+                                    prefill_buckets=(256,), context_buckets=buckets, context_limit=limit,
                                     cache_dir=cache, matmul_dtype=matmul_dtype, dtype=dtype), log=lambda s: None)
     return out
 
@@ -167,7 +176,7 @@ def collective_share(engine, vocab: int) -> float:
     """Fraction of a decode step's leader wall time spent inside collectives (torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
     from deepinfer.runtime.sequence import SamplingParams
-    ps = prompts(1, 32, vocab)
+    ps = prompts(1, PROMPT_LEN, vocab)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         engine.generate(ps, SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True))
@@ -182,16 +191,18 @@ def bench_roofline(m, bw: float, flops: float, weight_bytes: int = 4) -> dict:
     """Floors for the same four measurements (fp32 weights, 4 bytes a parameter; bf16 weights 2)."""
     from roofline import step_floor_s
 
-    def step_s(tokens: int, context: float, logit_rows: int) -> float:
-        return step_floor_s(m, tokens, context, logit_rows, weight_bytes, bw, flops)
-    ctx = 32 + DECODE_TOKENS / 2                              # decode: keys per token, on average
-    return {"prefill_tok_s": PREFILL_LEN / step_s(PREFILL_LEN, (PREFILL_LEN + 1) / 2, 1),
-            "decode_ms": 1e3 * step_s(1, ctx, 1),
-            "batch_tok_s": BATCH / step_s(BATCH, ctx, BATCH),
-            "batch_ttft_ms": 1e3 * step_s(BATCH * 32, 16.5, BATCH)}
+    def step_s(tokens: int, context: float, logit_rows: int, kv_rows: float) -> float:
+        return step_floor_s(m, tokens, context, logit_rows, weight_bytes, bw, flops, kv_rows)
+    ctx = PROMPT_LEN + DECODE_TOKENS / 2                      # decode: keys per token, on average
+    # the latent KV a step reads: each decode token its own context; a prefill its sequence's keys once
+    return {"prefill_tok_s": PREFILL_LEN / step_s(PREFILL_LEN, (PREFILL_LEN + 1) / 2, 1, PREFILL_LEN),
+            "decode_ms": 1e3 * step_s(1, ctx, 1, ctx),
+            "batch_tok_s": BATCH / step_s(BATCH, ctx, BATCH, BATCH * ctx),
+            "batch_ttft_ms": 1e3 * step_s(BATCH * PROMPT_LEN, (PROMPT_LEN + 1) / 2, BATCH, BATCH * PROMPT_LEN)}
 
 
 def main() -> None:
+    global PROMPT_LEN
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="demo,mid,mid-bf16",
                     help="demo (the trained demo model), small, mid, and any of them + -bf16 (a bf16 checkpoint)")
@@ -202,9 +213,14 @@ def main() -> None:
                     help="a --dtype bfloat16 row (bf16 activations) for bf16 checkpoints; default: where the CPU has "
                          "bf16 dot products (elsewhere its products run as fp32 FMAs of widened operands: slower "
                          "than float32 math)")
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
+                    help="tokens in each decode measurement's prompt (decode over a longer context)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="also write the tables (markdown) to this file")
     args = ap.parse_args()
+    if args.prompt_len < 1:
+        ap.error(f"--prompt-len must be at least 1, got {args.prompt_len}")
+    PROMPT_LEN = args.prompt_len
     from checkpoints import make_checkpoint
     from deepinfer.runtime.engine import Engine
     work = Path(args.workdir or tempfile.mkdtemp(prefix="deepinfer-bench-"))
@@ -275,7 +291,7 @@ def main() -> None:
         measure_peaks()
         print(f"{name}: measured", flush=True)
     lines = [f"threads {torch.get_num_threads()}, torch {torch.__version__}, prefill {PREFILL_LEN} tokens, decode "
-             f"{DECODE_TOKENS} tokens after a 32-token prompt, batch {BATCH}; machine peaks (best seen in this run): "
+             f"{DECODE_TOKENS} tokens after a {PROMPT_LEN}-token prompt, batch {BATCH}; machine peaks (best seen in this run): "
              f"copy bandwidth {peaks['bw'] / 1e9:.1f} GB/s, fp32 GEMM {peaks['flops'] / 1e9:.0f} GFLOP/s, "
              + (f"bf16 GEMM {peaks['flops16'] / 1e9:.0f} GFLOP/s" if bf16_dot else
                 "no bf16 dot products on this CPU (bf16 products run as fp32 FMAs)"), "",

@@ -67,17 +67,19 @@ def decode_step_params(m, batch: int) -> float:
 
 
 def step_floor_s(m, tokens: int, context: float, logit_rows: int, bytes_per_param: int, bandwidth: float,
-                 flops: float) -> float:
+                 flops: float, kv_rows: float = 0.0) -> float:
     """Least time for one step over `tokens` new tokens (attention over `context` keys per token on average,
     logits for `logit_rows`; the experts the tokens touch, expected under uniform routing): the routed experts
     and the rest of the weights each take the longer of reading them once and computing with them (a few rows
     per expert read at memory speed; a weight every token uses is compute-bound once the rows outnumber the
-    machine's FLOP-per-byte balance)."""
+    machine's FLOP-per-byte balance). `kv_rows`: the latent KV rows (kv_lora_rank + rope dims, bytes_per_param
+    each, every layer) the step reads beside the weights: a decode token's whole context."""
     K, expert, L = m.num_experts_per_tok, _expert(m), m.num_moe_layers
     head = m.vocab_size * m.hidden_size
     other = m.param_counts()["active_per_token"] - L * K * expert - (0 if m.tie_word_embeddings else head)
     attn = 2 * context * m.num_attention_heads * (m.qk_head_dim + m.v_head_dim) * m.num_hidden_layers
     routed = max(bytes_per_param * L * _touched(m, tokens) * expert / bandwidth, 2 * L * K * expert * tokens / flops)
-    rest = max(bytes_per_param * (other + head) / bandwidth,
+    kv = kv_rows * (m.kv_lora_rank + m.qk_rope_head_dim) * m.num_hidden_layers
+    rest = max(bytes_per_param * (other + head + kv) / bandwidth,
                (2 * other * tokens + attn * tokens + 2 * head * logit_rows) / flops)
     return routed + rest
