@@ -3,7 +3,7 @@
 //
 //   q [T, H, Dc]            each token's absorbed query (W_UK folded into the nope part, then the rope part)
 //   kv_cache [NB, bs, Dc]   the latent pool: per slot the normed c_kv (first kv_lora_rank) and the roped k_pe;
-//                           fp32, or bf16 (--dtype bfloat16): a task widens each block of its keys once
+//                           fp32, or bf16 (--dtype bfloat16): widened in registers as the tiles load them
 //   block_tables [T, B]     each token's pool blocks, in key order (key c lives in block c / bs, slot c % bs)
 //   valid [T, B * bs]       which keys each token attends to (its own positions so far; with CP, those it owns)
 //   -> o [T, H, kv_lora_rank] = softmax(scale * q . k) . c_kv over the valid keys (zero where none is),
@@ -24,7 +24,9 @@
 // rounds: `mid` (8 heads, 256 + 32) at 16 tokens x 128 / 512 / 2048 keys 1.29x / 1.45x / 1.97x (fp32 pool),
 // 1.16x / 1.39x / 1.71x (bf16), one token x 2048 keys 2.4x / 1.7x; V2-Lite widths (16 heads, 512 + 64) 1.65x /
 // 1.77x / 2.09x and 1.37-1.59x. Inside the engine (the op timed in place, the two forms alternating run by run, 16
-// sequences of `mid`): 1.40x at 256-496 keys, 1.30x at 32-232 (`mid-bf16`).
+// sequences of `mid`): 1.40x at 256-496 keys, 1.30x at 32-232 (`mid-bf16`). A bf16 pool's rows are widened in
+// registers as the tiles load them: against widening each block into an fp32 buffer first, 1.03-1.25x (the same
+// runs' harness; fp32 pools 1.00-1.08x, the same code).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -34,6 +36,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -44,12 +47,15 @@ using deepinfer_simd::exp_nonpositive;
 using deepinfer_simd::hsum8;
 using deepinfer_simd::load_bf16;
 
-// n bf16 values widened to fp32 (exact).
-inline void widen_row(const at::BFloat16* src, int64_t n, float* dst) {
-  const uint16_t* p = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16(p + i));
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+// Eight keys' values from a pool row, fp32 or bf16 (widened in registers: exact), and one value.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return load_bf16(p); }
+inline float value(float v) { return v; }
+inline float value(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 // Keys a block: each block of a token's valid keys is scored, folded into the running softmax and summed into the
@@ -79,8 +85,8 @@ inline void hsums(const __m256* acc, float* out) {
 
 // Scores of NH heads x NK keys in one pass over Dc: s[h * lds + k] = q[h] . key[k] (unscaled). 4 x 3: 12
 // accumulators, 7 loads to 12 FMAs.
-template <int NH, int NK>
-inline void score_tile(const float* q, const float* const* keys, int64_t Dc, float* s, int64_t lds,
+template <int NH, int NK, typename KT>
+inline void score_tile(const float* q, const KT* const* keys, int64_t Dc, float* s, int64_t lds,
                        const char* const* pf) {
   __m256 acc[NH * NK];
 #pragma GCC unroll 12
@@ -89,11 +95,11 @@ inline void score_tile(const float* q, const float* const* keys, int64_t Dc, flo
   for (; d + 8 <= Dc; d += 8) {
     if (pf != nullptr && (d & 15) == 0) {
 #pragma GCC unroll 8
-      for (int k = 0; k < NK; ++k) _mm_prefetch(pf[k] + 4 * d, _MM_HINT_T1);
+      for (int k = 0; k < NK; ++k) _mm_prefetch(pf[k] + sizeof(KT) * d, _MM_HINT_T1);
     }
     __m256 kv[NK];
 #pragma GCC unroll 8
-    for (int k = 0; k < NK; ++k) kv[k] = _mm256_loadu_ps(keys[k] + d);
+    for (int k = 0; k < NK; ++k) kv[k] = load8(keys[k] + d);
 #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
       const __m256 qv = _mm256_loadu_ps(q + h * Dc + d);
@@ -106,7 +112,7 @@ inline void score_tile(const float* q, const float* const* keys, int64_t Dc, flo
   for (int h = 0; h < NH; ++h)
     for (int k = 0; k < NK; ++k) {
       float v = r[h * NK + k];
-      for (int64_t dd = d; dd < Dc; ++dd) v += q[h * Dc + dd] * keys[k][dd];
+      for (int64_t dd = d; dd < Dc; ++dd) v += q[h * Dc + dd] * value(keys[k][dd]);
       s[h * lds + k] = v;
     }
 }
@@ -115,13 +121,14 @@ inline void score_tile(const float* q, const float* const* keys, int64_t Dc, flo
 // heads one at a time x 8 keys; a tile past the last key repeats it and keeps the real results only. The first
 // pass over the keys (the first heads') prefetches the fp32 rows `ahead` (kPrefetchRows on, over the task's later
 // keys: `ahead[k]` for key k of this block, n_ahead of them).
-void score_block(const float* q, int64_t HS, int64_t Dc, const float* const* keys, int64_t n, float* s,
+template <typename KT>
+void score_block(const float* q, int64_t HS, int64_t Dc, const KT* const* keys, int64_t n, float* s,
                  const char* const* ahead, int64_t n_ahead) {
   const auto run = [&](auto nh, auto nk, int64_t h) {
     constexpr int NH = decltype(nh)::value, NK = decltype(nk)::value;
     for (int64_t k = 0; k < n; k += NK) {
-      const float* pad[NK];
-      const float* const* kk = keys + k;
+      const KT* pad[NK];
+      const KT* const* kk = keys + k;
       if (k + NK > n) {
         for (int j = 0; j < NK; ++j) pad[j] = keys[std::min(k + j, n - 1)];
         kk = pad;
@@ -145,8 +152,8 @@ void score_block(const float* q, int64_t HS, int64_t Dc, const float* const* key
 
 // o[h * L + d0 ..+ 8 ND) += sum_k p[h * kKeyBlock + k] * key[k][d0 ..] for NH heads over a block's n keys, the
 // accumulators in registers: 4 heads x 24 lanes, 7 loads to 12 FMAs.
-template <int NH, int ND>
-inline void weighted_tile(const float* p, const float* const* keys, int64_t n, int64_t d0, float* o, int64_t L) {
+template <int NH, int ND, typename KT>
+inline void weighted_tile(const float* p, const KT* const* keys, int64_t n, int64_t d0, float* o, int64_t L) {
   __m256 acc[NH][ND];
 #pragma GCC unroll 4
   for (int h = 0; h < NH; ++h)
@@ -155,7 +162,7 @@ inline void weighted_tile(const float* p, const float* const* keys, int64_t n, i
   for (int64_t k = 0; k < n; ++k) {
     __m256 v[ND];
 #pragma GCC unroll 3
-    for (int j = 0; j < ND; ++j) v[j] = _mm256_loadu_ps(keys[k] + d0 + 8 * j);
+    for (int j = 0; j < ND; ++j) v[j] = load8(keys[k] + d0 + 8 * j);
 #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
       const __m256 ph = _mm256_broadcast_ss(p + h * kKeyBlock + k);
@@ -170,15 +177,15 @@ inline void weighted_tile(const float* p, const float* const* keys, int64_t n, i
 }
 
 // o[h] += sum_k p[h][k] * key[k][0 .. L) for heads [h0, h0 + NH).
-template <int NH>
-void weighted_heads(const float* p, const float* const* keys, int64_t n, int64_t L, float* o) {
+template <int NH, typename KT>
+void weighted_heads(const float* p, const KT* const* keys, int64_t n, int64_t L, float* o) {
   int64_t d = 0;
   for (; d + 24 <= L; d += 24) weighted_tile<NH, 3>(p, keys, n, d, o, L);
   for (; d + 8 <= L; d += 8) weighted_tile<NH, 1>(p, keys, n, d, o, L);
   for (; d < L; ++d)
     for (int h = 0; h < NH; ++h) {
       float a = o[h * L + d];
-      for (int64_t k = 0; k < n; ++k) a += p[h * kKeyBlock + k] * keys[k][d];
+      for (int64_t k = 0; k < n; ++k) a += p[h * kKeyBlock + k] * value(keys[k][d]);
       o[h * L + d] = a;
     }
 }
@@ -225,9 +232,6 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
     std::vector<float> sc(HS * kKeyBlock);   // a block's scores, then probabilities: [HS][kKeyBlock]
     std::vector<float> mx(HS), sum(HS);      // each head's running max and sum of exp(score - max)
     std::vector<const char*> rows(C);        // the token's valid keys' rows in the pool, in key order
-    std::vector<float> widened;              // a bf16 pool: the block's keys in fp32, [kKeyBlock][Dc]
-    if (narrow) widened.resize(kKeyBlock * Dc);
-    const float* block_keys[kKeyBlock];
     const int64_t row_bytes = Dc * (narrow ? 2 : 4);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / slices, h0 = (task % slices) * HS;
@@ -243,55 +247,49 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
       const char* pool = narrow ? reinterpret_cast<const char*>(kvb) : reinterpret_cast<const char*>(kvp);
       for (int64_t c = 0; c < C; ++c)
         if (vt[c]) rows[nv++] = pool + (tt[c / bs] * bs + c % bs) * row_bytes;
-      for (int64_t i = 0; i < nv; i += kKeyBlock) {
-        const int64_t n = std::min(kKeyBlock, nv - i);
-        const float* const* keys;
-        const int64_t pf0 = std::min(i + kPrefetchRows, nv);   // the rows kPrefetchRows keys ahead
-        const char* const* ahead = rows.data() + pf0;
-        int64_t n_ahead = nv - pf0;
-        if (narrow) {                        // widened a row at a time, the row kPrefetchRows ahead prefetched
-          for (int64_t k = 0; k < n; ++k) {
-            if (k < n_ahead)
-              for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(ahead[k] + b, _MM_HINT_T1);
-            float* row = widened.data() + k * Dc;
-            widen_row(reinterpret_cast<const at::BFloat16*>(rows[i + k]), Dc, row);
-            block_keys[k] = row;
-          }
-          keys = block_keys;
-          n_ahead = 0;
-        } else {
-          keys = reinterpret_cast<const float* const*>(rows.data() + i);
-        }
-        float* p = sc.data();
-        score_block(qt, HS, Dc, keys, n, p, ahead, std::min(n_ahead, n));
-        for (int64_t h = 0; h < HS; ++h) {   // the running softmax: rescale what came before to the new max
-          float* ph = p + h * kKeyBlock;
-          float m = mx[h];
-          for (int64_t k = 0; k < n; ++k) {
-            ph[k] *= s;
-            if (!(ph[k] <= m)) m = ph[k];    // NaN propagates, as in the torch form
-          }
-          if (m != mx[h]) {                  // (the first block: nothing to rescale, o and sum are zero)
-            const float a = mx[h] == neg_inf ? 1.f : std::exp(mx[h] - m);
-            if (a != 1.f) {
-              sum[h] *= a;
-              float* oh = ot + h * L;
-              for (int64_t d = 0; d < L; ++d) oh[d] *= a;
+      // the keys' rows as they are stored: fp32, or bf16 widened in registers as the tiles load them
+      const auto blocks = [&](auto kt) {
+        using KT = decltype(kt);
+        for (int64_t i = 0; i < nv; i += kKeyBlock) {
+          const int64_t n = std::min(kKeyBlock, nv - i);
+          const KT* const* keys = reinterpret_cast<const KT* const*>(rows.data() + i);
+          const int64_t pf0 = std::min(i + kPrefetchRows, nv);   // the rows kPrefetchRows keys ahead
+          float* p = sc.data();
+          score_block(qt, HS, Dc, keys, n, p, rows.data() + pf0, std::min(nv - pf0, n));
+          for (int64_t h = 0; h < HS; ++h) {   // the running softmax: rescale what came before to the new max
+            float* ph = p + h * kKeyBlock;
+            float m = mx[h];
+            for (int64_t k = 0; k < n; ++k) {
+              ph[k] *= s;
+              if (!(ph[k] <= m)) m = ph[k];    // NaN propagates, as in the torch form
             }
-            mx[h] = m;
+            if (m != mx[h]) {                  // (the first block: nothing to rescale, o and sum are zero)
+              const float a = mx[h] == neg_inf ? 1.f : std::exp(mx[h] - m);
+              if (a != 1.f) {
+                sum[h] *= a;
+                float* oh = ot + h * L;
+                for (int64_t d = 0; d < L; ++d) oh[d] *= a;
+              }
+              mx[h] = m;
+            }
+            const __m256 mv = _mm256_set1_ps(m);
+            int64_t k = 0;
+            for (; k + 8 <= n; k += 8)
+              _mm256_storeu_ps(ph + k, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(ph + k), mv)));
+            for (; k < n; ++k) ph[k] = std::exp(ph[k] - m);
+            float add = 0.f;
+            for (k = 0; k < n; ++k) add += ph[k];
+            sum[h] += add;
           }
-          const __m256 mv = _mm256_set1_ps(m);
-          int64_t k = 0;
-          for (; k + 8 <= n; k += 8) _mm256_storeu_ps(ph + k, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(ph + k), mv)));
-          for (; k < n; ++k) ph[k] = std::exp(ph[k] - m);
-          float add = 0.f;
-          for (k = 0; k < n; ++k) add += ph[k];
-          sum[h] += add;
+          int64_t h = 0;
+          for (; h + 4 <= HS; h += 4) weighted_heads<4>(p + h * kKeyBlock, keys, n, L, ot + h * L);
+          for (; h < HS; ++h) weighted_heads<1>(p + h * kKeyBlock, keys, n, L, ot + h * L);
         }
-        int64_t h = 0;
-        for (; h + 4 <= HS; h += 4) weighted_heads<4>(p + h * kKeyBlock, keys, n, L, ot + h * L);
-        for (; h < HS; ++h) weighted_heads<1>(p + h * kKeyBlock, keys, n, L, ot + h * L);
-      }
+      };
+      if (narrow)
+        blocks(uint16_t{});
+      else
+        blocks(float{});
       for (int64_t h = 0; h < HS; ++h) {
         if (nv == 0) {                       // no valid key: zeros, lse -inf
           lt[h] = neg_inf;
