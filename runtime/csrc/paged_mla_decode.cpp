@@ -119,8 +119,8 @@ inline void score_tile(const float* q, const KT* const* keys, int64_t Dc, float*
 
 // Scores of heads [0, HS) against a block's n keys -> s[h * kKeyBlock + k]: 4 heads x 3 keys a tile, the other
 // heads one at a time x 8 keys; a tile past the last key repeats it and keeps the real results only. The first
-// pass over the keys (the first heads') prefetches the fp32 rows `ahead` (kPrefetchRows on, over the task's later
-// keys: `ahead[k]` for key k of this block, n_ahead of them).
+// pass over the keys (the first heads') prefetches the rows `ahead` (kPrefetchRows on, over the task's later keys:
+// `ahead[k]` for key k of this block, n_ahead of them).
 template <typename KT>
 void score_block(const float* q, int64_t HS, int64_t Dc, const KT* const* keys, int64_t n, float* s,
                  const char* const* ahead, int64_t n_ahead) {
@@ -212,8 +212,8 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
   at::Tensor lse = at::empty({T, H}, q.options());
   const float* qp = q.data_ptr<float>();
   const bool narrow = kv.scalar_type() == at::kBFloat16;
-  const float* kvp = narrow ? nullptr : kv.data_ptr<float>();
-  const at::BFloat16* kvb = narrow ? kv.data_ptr<at::BFloat16>() : nullptr;
+  const char* pool = static_cast<const char*>(kv.data_ptr());
+  const int64_t row_bytes = Dc * kv.element_size();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const bool* vp = valid.data_ptr<bool>();
   float* op = o.data_ptr<float>();
@@ -232,7 +232,6 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
     std::vector<float> sc(HS * kKeyBlock);   // a block's scores, then probabilities: [HS][kKeyBlock]
     std::vector<float> mx(HS), sum(HS);      // each head's running max and sum of exp(score - max)
     std::vector<const char*> rows(C);        // the token's valid keys' rows in the pool, in key order
-    const int64_t row_bytes = Dc * (narrow ? 2 : 4);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / slices, h0 = (task % slices) * HS;
       const float* qt = qp + (t * H + h0) * Dc;
@@ -244,7 +243,6 @@ std::tuple<at::Tensor, at::Tensor> paged_mla_decode(const at::Tensor& q_, const 
       std::fill(mx.begin(), mx.end(), neg_inf);
       std::fill(sum.begin(), sum.end(), 0.f);
       int64_t nv = 0;
-      const char* pool = narrow ? reinterpret_cast<const char*>(kvb) : reinterpret_cast<const char*>(kvp);
       for (int64_t c = 0; c < C; ++c)
         if (vt[c]) rows[nv++] = pool + (tt[c / bs] * bs + c % bs) * row_bytes;
       // the keys' rows as they are stored: fp32, or bf16 widened in registers as the tiles load them
