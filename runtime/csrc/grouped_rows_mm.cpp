@@ -22,6 +22,7 @@
 #include <cpuid.h>
 #include <immintrin.h>
 
+#include "parallel.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -133,8 +134,9 @@ inline void weight_rows(const W* w, const float* x, int64_t rows, int64_t K, flo
 
 // The parallel tasks over G groups of M rows (row ends `ends`, clamped to [0, M]) and N weight rows, block_n weight
 // rows a task: task(g, n0, n1, r0, r1) for each non-empty group. Rows in no group are left as they are.
-// The threads take contiguous runs of tasks of equal estimated work, not of equal task counts: groups differ in
-// rows (routing is uneven), and at tens of rows a group the work is the rows' FLOPs. A task's estimate is its
+// The threads start on contiguous runs of tasks of equal estimated work, not of equal task counts (groups differ in
+// rows: routing is uneven, and at tens of rows a group the work is the rows' FLOPs), and take what is left of the
+// others' runs once done (deepinfer_parallel::run_tasks). A task's estimate is its
 // weight rows x (its rows + kStreamRows), kStreamRows the rows' worth of FLOPs that streaming a weight row from
 // memory costs (a one-row group is memory-bound).
 constexpr int64_t kStreamRows = 8;
@@ -146,39 +148,26 @@ void for_each_task(int64_t M, int64_t G, int64_t N, const int64_t* ends, const T
     *r0 = g == 0 ? 0 : std::clamp<int64_t>(ends[g - 1], 0, M);
     *r1 = std::clamp<int64_t>(ends[g], *r0, M);
   };
-  const auto run = [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t g = t / blocks, n0 = (t % blocks) * block_n, n1 = std::min(N, n0 + block_n);
-      int64_t r0, r1;
-      rows_of(g, &r0, &r1);
-      if (r1 > r0) task(g, n0, n1, r0, r1);
-    }
+  const auto run = [&](int64_t t) {
+    const int64_t g = t / blocks, n0 = (t % blocks) * block_n, n1 = std::min(N, n0 + block_n);
+    int64_t r0, r1;
+    rows_of(g, &r0, &r1);
+    if (r1 > r0) task(g, n0, n1, r0, r1);
   };
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
   if (threads <= 1 || at::in_parallel_region()) {
-    run(0, tasks);
+    for (int64_t t = 0; t < tasks; ++t) run(t);
     return;
   }
-  // Work of each group's tasks (all alike but the last, shorter one), then the cut points of equal work.
-  std::vector<int64_t> cut(threads + 1, tasks);
-  cut[0] = 0;
-  int64_t total = 0;
-  std::vector<int64_t> rows(G);
-  for (int64_t g = 0; g < G; ++g) {
+  std::vector<int64_t> work(tasks, 0);
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t g = t / blocks, n0 = (t % blocks) * block_n, n1 = std::min(N, n0 + block_n);
     int64_t r0, r1;
     rows_of(g, &r0, &r1);
-    rows[g] = r1 - r0;
-    if (rows[g] > 0) total += N * (rows[g] + kStreamRows);
+    if (r1 > r0) work[t] = (n1 - n0) * (r1 - r0 + kStreamRows);
   }
-  int64_t done = 0, next = 1;
-  for (int64_t t = 0; t < tasks && next < threads; ++t) {
-    const int64_t g = t / blocks, n0 = (t % blocks) * block_n, n1 = std::min(N, n0 + block_n);
-    if (rows[g] > 0) done += (n1 - n0) * (rows[g] + kStreamRows);
-    while (next < threads && done * threads >= total * next) cut[next++] = t + 1;
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) run(cut[i], cut[i + 1]);
-  });
+  const std::vector<int64_t> cut = deepinfer_parallel::equal_work_runs(work, threads);
+  deepinfer_parallel::run_tasks(cut, [&] { return run; });
 }
 
 // ---- groups of kPanelMinRows+ rows (AVX2): outer products over transposed panels ----

@@ -803,6 +803,32 @@ def test_paged_mla_decode_matches(T, H, Dc, L, bs, B, scale):
     check(*torch.ops.deepinfer.paged_mla_decode(q, kb, tables, valid, L, scale))
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_paged_mla_decode_mixed_lengths(threads):
+    """Sequences of very different lengths in one call (one long, a ramp, empty ones): the kernel cuts the threads'
+    runs by valid keys and lets a thread that finishes take the others' unstarted tokens; every token still gets
+    exactly its own attention."""
+    _kernels_or_skip()
+    g = torch.Generator().manual_seed(7)
+    T, H, Dc, L, bs, B = 12, 8, 96, 64, 16, 32
+    q, kv = torch.randn(T, H, Dc, generator=g), torch.randn(T * B, bs, Dc, generator=g)
+    tables = torch.randperm(T * B, generator=g).view(T, B)
+    lengths = [B * bs, 0, 3, 17, 40, 90, 130, 200, 1, 0, 64, 300]
+    valid = torch.arange(B * bs)[None, :] < torch.tensor(lengths)[:, None]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for pool in (kv, kv.bfloat16()):
+            o_ref, lse_ref = _paged_reference(q, pool, tables, valid, L, 0.125)
+            o, lse = torch.ops.deepinfer_cpu.paged_mla_decode(q, pool, tables, valid, L, 0.125)
+            torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+            has = valid.any(1)
+            torch.testing.assert_close(lse[has].double(), lse_ref[has], rtol=1e-5, atol=1e-5)
+            assert torch.isneginf(lse[~has]).all() and torch.count_nonzero(o[~has]) == 0
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_paged_mla_decode_rejects_blocks_outside_the_pool():
     _kernels_or_skip()
     q, kv = torch.randn(2, 4, 16), torch.randn(3, 4, 16)
