@@ -12,7 +12,8 @@ keep their Python bodies (torch's own paths).
 
 The build (~30 s, two cores) happens at the first `available()` call, which the runtime makes while it loads a
 CPU artifact, so no request waits for it; later processes find it in torch's extension cache
-($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by a hash of the sources and headers.
+($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by a hash of the sources, the headers and
+the checkout's path. Concurrent processes build one at a time, and a build killed half-way does not block later ones.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -76,17 +78,44 @@ def _load() -> str | None:
             return "ninja is not installed (pip install ninja)"
     from . import ops        # noqa: F401  the deepinfer:: ops the library gives CPU implementations to
     try:
+        import fcntl                      # POSIX: where the kernels build at all
         from torch.utils import cpp_extension
-        h = hashlib.sha256()
-        for src in SOURCES + HEADERS:
-            data = src.read_bytes()
-            h.update(f"{src.name}:{len(data)}:".encode() + data)
-        digest = h.hexdigest()[:12]
+        name = library_name()
+        build_dir = build_directory(name)
+        build_dir.mkdir(parents=True, exist_ok=True)
         log.info("loading the CPU kernels (built once per machine, ~30 s)")
-        cpp_extension.load(name=f"deepinfer_cpu_{digest}", sources=[str(src) for src in SOURCES], is_python_module=False,
-                           extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           verbose=False)
+        with open(build_dir / "deepinfer.flock", "w") as held:
+            # One deepinfer process builds at a time, the others wait here. torch's own lock is a `lock` file that
+            # a process killed mid-build leaves behind, and every later build waits on it forever; under this
+            # lock (the kernel drops it with its holder) no deepinfer build is running, so such a file is stale.
+            fcntl.flock(held, fcntl.LOCK_EX)
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a CPU-kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            cpp_extension.load(name=name, sources=[str(src) for src in SOURCES], is_python_module=False,
+                               extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                               build_directory=str(build_dir), verbose=False)
     except Exception as e:           # no compiler, no ninja, a failed build: torch's path stays
         last = (str(e).strip().splitlines() or [""])[-1][:300]
         return f"building the kernels in {SOURCES[0].parent} failed: {type(e).__name__}: {last}"
     return None
+
+
+def library_name() -> str:
+    """The build's name: a hash of the sources, the headers and the checkout's path (one build a checkout:
+    ninja would rebuild one whose files name another checkout's paths)."""
+    h = hashlib.sha256()
+    for src in SOURCES + HEADERS:
+        data = src.read_bytes()
+        h.update(f"{src.name}:{len(data)}:".encode() + data)
+    h.update(str(CSRC).encode())
+    return f"deepinfer_cpu_{h.hexdigest()[:12]}"
+
+
+def build_directory(name: str) -> Path:
+    """Where the kernels are built and cached: torch's extension cache ($TORCH_EXTENSIONS_DIR, default
+    ~/.cache/torch_extensions), in the folder torch would pick for them."""
+    from torch.utils import cpp_extension
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name

@@ -499,6 +499,25 @@ def test_bad_tuning_variable_is_ignored_with_a_warning():
     assert "DEEPINFER_CPU_TUNING='zen9' is not zen4, zen5 or auto: ignored" in r.stderr
 
 
+def test_build_killed_half_way_does_not_block_later_loads():
+    """A process killed while it built the kernels leaves torch's `lock` file in the build folder, and torch's
+    builder waits on that file forever: every later start hung. The next load removes it (no deepinfer build
+    holds the folder then), says so, and loads."""
+    _kernels_or_skip()
+    from deepinfer.runtime import cpu_kernels
+    stale = cpu_kernels.build_directory(cpu_kernels.library_name()) / "lock"
+    stale.touch()
+    try:
+        code = ("import logging; logging.basicConfig(); from deepinfer.runtime import cpu_kernels; "
+                "assert cpu_kernels.available(), cpu_kernels.unavailable_reason()")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    finally:
+        leftover = stale.exists()
+        stale.unlink(missing_ok=True)
+    assert r.returncode == 0, r.stderr
+    assert not leftover and "left by a CPU-kernel build that did not finish" in r.stderr
+
+
 def test_bf16_products_ops():
     """--matmul-dtype bfloat16's operands: bf16 rows and weights through deepinfer::grouped_mm and rows_linear
     take the kernel for few rows (the dot-product kernel, or without AVX512-BF16 the fp32 kernel on the widened
