@@ -219,8 +219,8 @@ class Scheduler:
         """A chunk of `seq`, then as many other prompts as fit the chunk's spare tokens (packed back to back;
         never preempting for them) without a larger context bucket than a full chunk of `seq` alone would take:
         attention cost follows the bucket, so packing never makes the chunk's attention dearer."""
-        budget = max(self.cfg.prefill_buckets)
         self._claim(seq)
+        budget = self._chunk_bucket(seq)
         n = min(seq.num_uncomputed, budget)
         need = self.blocks.blocks_needed(seq, n)
         preempted = False
@@ -255,6 +255,40 @@ class Scheduler:
         bucket = smallest_at_least(self.cfg.prefill_buckets, used)
         # prefill graphs exist for context buckets of at least their token bucket
         return ScheduledStep("prefill", bucket, self._context_bucket(max(span, bucket)), tuple(entries))
+
+    def _chunk_bucket(self, seq: Sequence) -> int:
+        """The prefill bucket this chunk fills (with `seq` first, then whatever packs behind it).
+
+        With several prefill buckets: the smallest while running sequences wait for their next token (it bounds
+        their stall, as --max-prefill-streak bounds the chunks in a row), the largest otherwise (the fastest
+        prefill of a long prompt: larger GEMMs, and the context's latents expanded for attention once a chunk,
+        not once a small chunk). Where the prompts pending hold fewer tokens than that, the first chunk of the
+        plan that pads least: `mid` model on 2 CPU threads with 256- and 1024-token buckets, a 512-token prompt
+        runs as two 256-token chunks (1030 tok/s) rather than a 1024-token one half padding (769)."""
+        buckets = self.cfg.prefill_buckets
+        limit = self.cfg.prompt_as_decode_limit
+        if len(buckets) == 1 or any(s.num_uncomputed <= limit for s in self.running if s is not seq):
+            return buckets[0]
+        top = buckets[-1]
+        want = seq.num_uncomputed
+        for other in self._prefill_queue(seq):
+            if want >= top:
+                break
+            want += self._pending(other)
+        if want >= top:
+            return top
+        # Plans: whole chunks of one bucket, then the smallest bucket that holds the rest; or one chunk that holds
+        # it all. The fewest padded tokens wins, then the larger first chunk (fewer, larger steps).
+        one = smallest_at_least(buckets, want)
+        best, first = one, one
+        for b in buckets:
+            if b >= want:
+                break
+            rest = want % b
+            padded = want - rest + (smallest_at_least(buckets, rest) if rest else 0)
+            if padded < best or (padded == best and b > first):
+                best, first = padded, b
+        return first
 
     def _prefill_queue(self, first: Sequence):
         """Prompts, other than `first`, too long for a decode step (in a burst of short prompts, every waiting

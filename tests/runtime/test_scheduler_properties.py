@@ -178,9 +178,42 @@ def test_prefill_runs_first_but_at_most_max_prefill_streak_in_a_row():
         assert run.count("P") == 6, run                     # one 16-token chunk each (the 4 left go in decode)
 
 
+def test_chunk_size_follows_the_decoding_and_the_padding():
+    """With several prefill buckets a long prompt takes the largest chunks while nothing else decodes, the smallest
+    while a running sequence waits for its tokens, and a remainder goes in the chunks that pad least."""
+    cfg = SchedulerConfig(decode_buckets=(1, 4), prefill_buckets=(16, 64), context_buckets=(64, 128),
+                          context_limit=128, block_size=16, num_blocks=64, prefix_caching=False)
+
+    def steps(prompt_len: int, decoding: bool) -> list[tuple[str, int, int]]:
+        sched = Scheduler(cfg)
+        if decoding:
+            sched.add(Sequence([5] * 2, SamplingParams(max_tokens=100)))
+            fake_step(sched, sched.schedule())
+        seq = Sequence([3] * prompt_len, SamplingParams(max_tokens=1))
+        sched.add(seq)
+        out = []
+        while seq.status is not Status.FINISHED:
+            step = sched.schedule()
+            if any(e.seq is seq for e in step.entries):
+                out.append((step.kind, step.tokens, next(e.num_tokens for e in step.entries if e.seq is seq)))
+            fake_step(sched, step)
+        return out
+
+    # 100 tokens alone: a 64-token chunk, then 36 as 16 + 16 (+ 4 in a decode step) rather than a padded 64
+    assert steps(100, decoding=False) == [("prefill", 64, 64), ("prefill", 16, 16), ("prefill", 16, 16),
+                                          ("decode", 4, 4)]
+    # 60 tokens alone: one 64-token chunk (4 padded) rather than 16-token chunks
+    assert steps(60, decoding=False) == [("prefill", 64, 60)]
+    # 40 tokens alone: 16 + 16 (+ 8: another 16-token chunk), 48 tokens' worth against a 64-token chunk
+    assert steps(40, decoding=False) == [("prefill", 16, 16), ("prefill", 16, 16), ("prefill", 16, 8)]
+    # beside a decoding sequence: 16-token chunks throughout (its stall bounded by the smallest bucket)
+    assert [s[1] for s in steps(100, decoding=True) if s[0] == "prefill"] == [16] * 6
+
+
 def test_short_prompts_share_a_prefill_chunk():
-    """Eight 12-token prompts (too long for a decode step) share 32-token chunks instead of taking a padded chunk
-    each; a prompt cut at the chunk's end finishes later (here in a decode step: 4 tokens are left)."""
+    """Eight 12-token prompts (too long for a decode step) share chunks instead of taking a padded chunk each; a
+    prompt cut at the chunk's end finishes later (here in a decode step: 4 tokens are left). The first chunk is
+    the largest bucket; after it two prompts wait for their next token, so the rest go in the smallest."""
     cfg = SchedulerConfig(decode_buckets=(1, 2, 4, 8), prefill_buckets=(16, 32), context_buckets=(64, 128),
                           context_limit=128, block_size=16, num_blocks=64, prefix_caching=False)
     sched = Scheduler(cfg)
@@ -192,12 +225,14 @@ def test_short_prompts_share_a_prefill_chunk():
     assert [(e.seq, e.start, e.num_tokens, e.wants_logits) for e in step.entries] == [
         (seqs[0], 0, 12, True), (seqs[1], 0, 12, True), (seqs[2], 0, 8, False)]
     fake_step(sched, step)
-    kinds = ["P"]
+    chunks = [32]
     while sched.has_work:
         step = sched.schedule()
-        kinds.append("P" if step.kind == "prefill" else "D")
+        if step.kind == "prefill":
+            chunks.append(step.tokens)
+            assert len(step.entries) >= 2 or step.num_real_tokens == 12
         fake_step(sched, step)
-    assert kinds.count("P") == 3, kinds
+    assert chunks == [32, 16, 16, 16], chunks
     assert all(s.status is Status.FINISHED and len(s.output_ids) == 2 for s in seqs)
 
 
