@@ -18,6 +18,10 @@ bfloat16 (bf16 products, fp32 sums: transformers' bf16 rounding of the operands,
 where the CPU has bf16 dot products (or with --bf16-activations) a third with --dtype bfloat16 (bf16 activations
 throughout, as transformers' bf16 run).
 With --layouts, decode ms/token per cp x ep layout and the collectives' share of a decode step.
+With --long-prompts 512,1024,2000, a second table: the time to the first token of one prompt of each length
+(prefill tokens/s), transformers against ours in 256-token chunks and with 256- and 1024-token buckets (the
+scheduler then takes 1024-token chunks for a lone long prompt), the artifacts' context limit the next power of
+two above the longest prompt.
 Our engines run without the prefix cache (the rounds repeat their prompts, which it would serve without
 computing them: transformers has no such cache). Same threads for everyone (torch.get_num_threads()); each figure is the best of 2-4 rounds in which the engines
 take turns (this machine's speed drifts over minutes; turns expose all engines to the same drift). Ratios matter
@@ -68,11 +72,13 @@ PROMPT_LEN = 32     # the decode measurements' prompts (--prompt-len)
 ROUNDS = {"prefill": 3, "t1": 4, "tn": 4, "b1": 2, "bn": 2}
 
 
-def interleaved(runs: dict[str, dict[str, Callable[[], object]]]) -> dict[str, dict[str, float]]:
+def interleaved(runs: dict[str, dict[str, Callable[[], object]]], rounds: dict[str, int] | None = None
+                ) -> dict[str, dict[str, float]]:
     """Best wall time of each measurement per engine, the engines taking turns round by round."""
+    rounds = ROUNDS if rounds is None else rounds
     best: dict[str, dict[str, float]] = {name: {} for name in runs}
-    for r in range(max(ROUNDS.values())):
-        for key, n in ROUNDS.items():
+    for r in range(max(rounds.values())):
+        for key, n in rounds.items():
             if r >= n:
                 continue
             for name, fns in runs.items():
@@ -172,6 +178,44 @@ def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, back
     return out
 
 
+LONG_CHUNKS = {"long256": (256,), "long1024": (256, 1024)}     # the long-prompt table's two artifacts' prefill buckets
+
+
+def long_prompt_runs(ck: Path, work: Path, name: str, cache: Path, lengths: list[int], vocab: int, limit: int,
+                     bf16: bool) -> dict[str, dict[str, Callable[[], object]]]:
+    """One-prompt prefills (one token generated) of each length, on transformers (in fp32, and in bf16 too for a
+    bf16 checkpoint) and our two artifacts."""
+    from checkpoints import hf_model
+    from deepinfer.compile.driver import compile_artifact
+    from deepinfer.compile.options import CompileOptions
+    from deepinfer.runtime.engine import Engine
+    from deepinfer.runtime.sequence import SamplingParams
+    ps = {n: prompts(1, n, vocab, seed=n) for n in lengths}
+    runs = {}
+    for key, dtype in (("hf", torch.float32), ("hf16", torch.bfloat16))[:2 if bf16 else 1]:
+        hf = hf_model(ck, dtype)
+        try:
+            hf.set_experts_implementation("grouped_mm")
+        except Exception:
+            pass
+
+        @torch.inference_mode()
+        def hf_prefill(p, hf=hf):
+            return hf(torch.tensor(p), logits_to_keep=1)
+        runs[key] = {str(n): (lambda p=p, f=hf_prefill: f(p)) for n, p in ps.items()}
+    for key, buckets in LONG_CHUNKS.items():
+        buckets = tuple(min(b, limit) for b in buckets)
+        out = work / f"art-{name}-{key}"
+        compile_artifact(CompileOptions(model=ck, out=out, backend="cpu",
+                                        decode_buckets=(1, 16), prefill_buckets=tuple(sorted(set(buckets))),
+                                        context_limit=limit, cache_dir=cache), log=lambda s: None)
+        eng = Engine.from_artifact(out, prefix_caching=False)
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        eng.generate(prompts(2, 40, vocab), one)
+        runs[key] = {str(n): (lambda p=p, eng=eng: eng.generate(p, one)) for n, p in ps.items()}
+    return runs
+
+
 def collective_share(engine, vocab: int) -> float:
     """Fraction of a decode step's leader wall time spent inside collectives (torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -215,12 +259,20 @@ def main() -> None:
                          "than float32 math)")
     ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
                     help="tokens in each decode measurement's prompt (decode over a longer context)")
+    ap.add_argument("--long-prompts", default="",
+                    help="e.g. 512,1024,2000: the first token of one prompt of each length, a second table")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="also write the tables (markdown) to this file")
     args = ap.parse_args()
     if args.prompt_len < 1:
         ap.error(f"--prompt-len must be at least 1, got {args.prompt_len}")
     PROMPT_LEN = args.prompt_len
+    try:
+        long_lens = sorted({int(x) for x in args.long_prompts.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"--long-prompts takes comma-separated token counts, got {args.long_prompts!r}")
+    if long_lens and long_lens[0] < 1:
+        ap.error(f"--long-prompts: a prompt needs at least 1 token, got {long_lens[0]}")
     from checkpoints import make_checkpoint
     from deepinfer.runtime.engine import Engine
     work = Path(args.workdir or tempfile.mkdtemp(prefix="deepinfer-bench-"))
@@ -243,6 +295,7 @@ def main() -> None:
             peaks["flops16"] = max(peaks["flops16"], gemm_flops(cpu, torch.bfloat16, repeat=5))
     measure_peaks()
     table = []          # per config: (name, its engines' rows, the faster transformers' figures, its rooflines)
+    long_table = []     # per config: (name, prompt lengths, best times per engine and length, its config, bf16)
     for name in filter(None, args.configs.split(",")):
         if name == "demo":           # the trained demo model: realistic, balanced routing
             from deepinfer.compile.options import DEMO_MODEL
@@ -288,6 +341,22 @@ def main() -> None:
             return out
         table.append((name, [*rows, ("deepinfer eager PyTorch", eager), ("deepinfer compiled (cpu)", ours), *extra],
                       hf, roofs))
+        if long_lens:
+            fits = [n for n in long_lens if n < mc.max_position_embeddings]
+            limit = 512
+            while fits and limit <= max(fits):
+                limit *= 2
+            limit = min(limit, mc.max_position_embeddings)
+            if fits:
+                del runs, eng            # the engines above: their pools and weights
+                long_runs = long_prompt_runs(ck, work, name, cache, fits, cfg["vocab_size"], limit, bf16)
+                long_best = interleaved(long_runs, {str(n): 2 for n in fits})
+                del long_runs
+                long_table.append((name, fits, long_best, mc, bf16))
+            skipped = [n for n in long_lens if n not in fits]
+            if skipped:
+                print(f"{name}: --long-prompts {skipped} skipped: not below its max_position_embeddings "
+                      f"{mc.max_position_embeddings}", flush=True)
         measure_peaks()
         print(f"{name}: measured", flush=True)
     lines = [f"threads {torch.get_num_threads()}, torch {torch.__version__}, prefill {PREFILL_LEN} tokens, decode "
@@ -304,6 +373,19 @@ def main() -> None:
                          f"| {r['decode_ms']:.2f} | {hf['decode_ms'] / r['decode_ms']:.2f} | {r['batch_tok_s']:.0f} "
                          f"| {r['batch_tok_s'] / hf['batch_tok_s']:.2f} | {r['batch_ttft_ms']:.0f} "
                          f"| {hf['batch_ttft_ms'] / r['batch_ttft_ms']:.2f} |")
+    if long_table:
+        from roofline import step_floor_s
+        lines += ["", "One prompt's first token (prefill tok/s; transformers experts=grouped_mm, for a bf16 checkpoint the "
+                  "faster of fp32 and bf16; ours in fp32 math; the roofline at the fp32 GEMM rate)", "",
+                  "| config | prompt tokens | transformers | ours, 256-token chunks | x HF | ours, 256 + 1024 buckets "
+                  "| x HF | roofline | x HF |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for name, fits, best, mc, bf16 in long_table:
+            for n in fits:
+                hf_r = max(n / best[k][str(n)] for k in ("hf", "hf16") if k in best)     # the faster
+                a, b = (n / best[k][str(n)] for k in ("long256", "long1024"))
+                roof = n / step_floor_s(mc, n, (n + 1) / 2, 1, 2 if bf16 else 4, peaks["bw"], peaks["flops"], n)
+                lines.append(f"| {name} | {n} | {hf_r:.0f} | {a:.0f} | {a / hf_r:.2f} | {b:.0f} | {b / hf_r:.2f} "
+                             f"| {roof:.0f} | {roof / hf_r:.2f} |")
     if args.layouts:
         from deepinfer.compile.options import DEMO_MODEL
         lines += ["", "| layout (demo model) | world | decode ms/tok (b=1) | decode tok/s (b=16) | collectives share of a decode step |",
