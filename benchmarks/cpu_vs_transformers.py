@@ -20,8 +20,8 @@ throughout, as transformers' bf16 run).
 With --layouts, decode ms/token per cp x ep layout and the collectives' share of a decode step.
 With --long-prompts 512,1024,2000, a second table: the time to the first token of one prompt of each length
 (prefill tokens/s), transformers against ours in 256-token chunks and with 256- and 1024-token buckets (the
-scheduler then takes 1024-token chunks for a lone long prompt), the artifacts' context limit the next power of
-two above the longest prompt.
+scheduler then takes 1024-token chunks for a lone long prompt; for a bf16 checkpoint with --matmul-dtype
+bfloat16 too), the artifacts' context limit the next power of two above the longest prompt.
 Our engines run without the prefix cache (the rounds repeat their prompts, which it would serve without
 computing them: transformers has no such cache). Same threads for everyone (torch.get_num_threads()); each figure is the best of 2-4 rounds in which the engines
 take turns (this machine's speed drifts over minutes; turns expose all engines to the same drift). Ratios matter
@@ -178,7 +178,8 @@ def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, back
     return out
 
 
-LONG_CHUNKS = {"long256": (256,), "long1024": (256, 1024)}     # the long-prompt table's two artifacts' prefill buckets
+# the long-prompt table's artifacts: prefill buckets and --matmul-dtype (the last for bf16 checkpoints only)
+LONG_CHUNKS = {"long256": ((256,), "auto"), "long1024": ((256, 1024), "auto"), "long1024mm16": ((256, 1024), "bfloat16")}
 
 
 def long_prompt_runs(ck: Path, work: Path, name: str, cache: Path, lengths: list[int], vocab: int, limit: int,
@@ -203,12 +204,14 @@ def long_prompt_runs(ck: Path, work: Path, name: str, cache: Path, lengths: list
         def hf_prefill(p, hf=hf):
             return hf(torch.tensor(p), logits_to_keep=1)
         runs[key] = {str(n): (lambda p=p, f=hf_prefill: f(p)) for n, p in ps.items()}
-    for key, buckets in LONG_CHUNKS.items():
+    for key, (buckets, matmul) in LONG_CHUNKS.items():
+        if matmul == "bfloat16" and not bf16:
+            continue
         buckets = tuple(min(b, limit) for b in buckets)
         out = work / f"art-{name}-{key}"
         compile_artifact(CompileOptions(model=ck, out=out, backend="cpu",
                                         decode_buckets=(1, 16), prefill_buckets=tuple(sorted(set(buckets))),
-                                        context_limit=limit, cache_dir=cache), log=lambda s: None)
+                                        context_limit=limit, cache_dir=cache, matmul_dtype=matmul), log=lambda s: None)
         eng = Engine.from_artifact(out, prefix_caching=False)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
         eng.generate(prompts(2, 40, vocab), one)
@@ -376,16 +379,22 @@ def main() -> None:
     if long_table:
         from roofline import step_floor_s
         lines += ["", "One prompt's first token (prefill tok/s; transformers experts=grouped_mm, for a bf16 checkpoint the "
-                  "faster of fp32 and bf16; ours in fp32 math; the roofline at the fp32 GEMM rate)", "",
+                  "faster of fp32 and bf16; ours in fp32 math, and for a bf16 checkpoint with --matmul-dtype bfloat16 "
+                  "too; the rooflines at the fp32 GEMM rate and at the bf16 one)", "",
                   "| config | prompt tokens | transformers | ours, 256-token chunks | x HF | ours, 256 + 1024 buckets "
-                  "| x HF | roofline | x HF |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| x HF | the same, bf16 products | x HF | roofline | x HF | roofline (bf16 products) | x HF |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for name, fits, best, mc, bf16 in long_table:
             for n in fits:
                 hf_r = max(n / best[k][str(n)] for k in ("hf", "hf16") if k in best)     # the faster
-                a, b = (n / best[k][str(n)] for k in ("long256", "long1024"))
-                roof = n / step_floor_s(mc, n, (n + 1) / 2, 1, 2 if bf16 else 4, peaks["bw"], peaks["flops"], n)
-                lines.append(f"| {name} | {n} | {hf_r:.0f} | {a:.0f} | {a / hf_r:.2f} | {b:.0f} | {b / hf_r:.2f} "
-                             f"| {roof:.0f} | {roof / hf_r:.2f} |")
+                cells = []
+                for k in ("long256", "long1024", "long1024mm16"):
+                    r = n / best[k][str(n)] if k in best else None
+                    cells.append(f"{r:.0f} | {r / hf_r:.2f}" if r else "- | -")
+                for fl in (peaks["flops"], max(peaks["flops16"], peaks["flops"]) if bf16 else None):
+                    roof = fl and n / step_floor_s(mc, n, (n + 1) / 2, 1, 2 if bf16 else 4, peaks["bw"], fl, n)
+                    cells.append(f"{roof:.0f} | {roof / hf_r:.2f}" if roof else "- | -")
+                lines.append(f"| {name} | {n} | {hf_r:.0f} | " + " | ".join(cells) + " |")
     if args.layouts:
         from deepinfer.compile.options import DEMO_MODEL
         lines += ["", "| layout (demo model) | world | decode ms/tok (b=1) | decode tok/s (b=16) | collectives share of a decode step |",
