@@ -70,7 +70,8 @@ def _env_int(name: str) -> int | None:
 @click.option("--decode-buckets", callback=_buckets, default="1,8", show_default=True,
               help="Token counts of the prompt-as-decode graphs.")
 @click.option("--prefill-buckets", callback=_buckets, default="128", show_default=True,
-              help="Token counts of the prefill-chunk graphs ('' for none).")
+              help="Token counts of the prefill-chunk graphs ('' for none). With several, a lone long prompt "
+                   "runs in the largest chunks, and prompts beside decoding sequences in the smallest.")
 @click.option("--context-buckets", default="auto", show_default=True,
               help="Attention context lengths below the limit ('auto': 256, 1024, 4096, ... below it).")
 @click.option("--context-limit", type=int, default=None, help="Longest sequence (default: min(model, 4096)).")
