@@ -101,16 +101,21 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 # -- transformers ---------------------------------------------------------------------------------------
-def transformers_runs(ck: Path, vocab: int, dtype: torch.dtype = torch.float32
-                      ) -> tuple[dict[str, Callable[[], object]], str]:
-    """The measurements on transformers' DeepseekV3ForCausalLM (its batched `generate`, greedy)."""
+def transformers_model(ck: Path, dtype: torch.dtype):
+    """transformers' DeepseekV3ForCausalLM on the checkpoint, with its fastest experts implementation (and its name)."""
     from checkpoints import hf_model
     hf = hf_model(ck, dtype)
     try:
         hf.set_experts_implementation("grouped_mm")
-        impl = "grouped_mm"
+        return hf, "grouped_mm"
     except Exception:
-        impl = "default"
+        return hf, "default"
+
+
+def transformers_runs(ck: Path, vocab: int, dtype: torch.dtype = torch.float32
+                      ) -> tuple[dict[str, Callable[[], object]], str]:
+    """The measurements on transformers' DeepseekV3ForCausalLM (its batched `generate`, greedy)."""
+    hf, impl = transformers_model(ck, dtype)
     p = torch.tensor(prompts(1, PREFILL_LEN, vocab))
     short = torch.tensor(prompts(1, PROMPT_LEN, vocab))
     batch = torch.tensor(prompts(BATCH, PROMPT_LEN, vocab, seed=1))
@@ -165,15 +170,21 @@ def eager_engine(art: Path):
 
 
 def compile_for(ck: Path, out: Path, cache: Path, cp: int = 1, ep: int = 1, backend: str = "cpu",
-                matmul_dtype: str = "auto", dtype: str = "float32") -> Path:
+                matmul_dtype: str = "auto", dtype: str = "float32", prefill_buckets: tuple[int, ...] = (256,),
+                limit: int | None = None) -> Path:
+    """The benchmark's artifact. Without `limit`: one that holds the decode measurements (context buckets 128, 256,
+    ... below it); with it (the long-prompt table): that context limit, the compiler's own context buckets."""
     from deepinfer.compile.driver import compile_artifact
     from deepinfer.compile.options import CompileOptions
-    limit = 512                      # past the prompts, the decoded tokens and a chunk's padding
-    while limit < PROMPT_LEN + DECODE_TOKENS + 1:
-        limit *= 2
-    buckets = tuple(b for b in (128, 256, 512, 1024, 2048, 4096) if b < limit)
+    if limit is None:
+        limit = 512                  # past the prompts, the decoded tokens and a chunk's padding
+        while limit < PROMPT_LEN + DECODE_TOKENS + 1:
+            limit *= 2
+        buckets = tuple(b for b in (128, 256, 512, 1024, 2048, 4096) if b < limit)
+    else:
+        buckets = "auto"
     compile_artifact(CompileOptions(model=ck, out=out, backend=backend, cp=cp, ep=ep, decode_buckets=(1, 16),
-                                    prefill_buckets=(256,), context_buckets=buckets, context_limit=limit,
+                                    prefill_buckets=prefill_buckets, context_buckets=buckets, context_limit=limit,
                                     cache_dir=cache, matmul_dtype=matmul_dtype, dtype=dtype), log=lambda s: None)
     return out
 
@@ -185,20 +196,13 @@ LONG_CHUNKS = {"long256": ((256,), "auto"), "long1024": ((256, 1024), "auto"), "
 def long_prompt_runs(ck: Path, work: Path, name: str, cache: Path, lengths: list[int], vocab: int, limit: int,
                      bf16: bool) -> dict[str, dict[str, Callable[[], object]]]:
     """One-prompt prefills (one token generated) of each length, on transformers (in fp32, and in bf16 too for a
-    bf16 checkpoint) and our two artifacts."""
-    from checkpoints import hf_model
-    from deepinfer.compile.driver import compile_artifact
-    from deepinfer.compile.options import CompileOptions
+    bf16 checkpoint) and our LONG_CHUNKS artifacts."""
     from deepinfer.runtime.engine import Engine
     from deepinfer.runtime.sequence import SamplingParams
     ps = {n: prompts(1, n, vocab, seed=n) for n in lengths}
     runs = {}
     for key, dtype in (("hf", torch.float32), ("hf16", torch.bfloat16))[:2 if bf16 else 1]:
-        hf = hf_model(ck, dtype)
-        try:
-            hf.set_experts_implementation("grouped_mm")
-        except Exception:
-            pass
+        hf = transformers_model(ck, dtype)[0]
 
         @torch.inference_mode()
         def hf_prefill(p, hf=hf):
@@ -207,11 +211,8 @@ def long_prompt_runs(ck: Path, work: Path, name: str, cache: Path, lengths: list
     for key, (buckets, matmul) in LONG_CHUNKS.items():
         if matmul == "bfloat16" and not bf16:
             continue
-        buckets = tuple(min(b, limit) for b in buckets)
-        out = work / f"art-{name}-{key}"
-        compile_artifact(CompileOptions(model=ck, out=out, backend="cpu",
-                                        decode_buckets=(1, 16), prefill_buckets=tuple(sorted(set(buckets))),
-                                        context_limit=limit, cache_dir=cache, matmul_dtype=matmul), log=lambda s: None)
+        out = compile_for(ck, work / f"art-{name}-{key}", cache, matmul_dtype=matmul,
+                          prefill_buckets=tuple(sorted({min(b, limit) for b in buckets})), limit=limit)
         eng = Engine.from_artifact(out, prefix_caching=False)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
         eng.generate(prompts(2, 40, vocab), one)
