@@ -370,6 +370,24 @@ def test_matmul_dtype_resolution(checkpoints):
     assert "/matmul=bfloat16" in key(bf16) and "matmul" not in key(plain)
 
 
+def test_compile_hints_bf16_products_only_where_they_could_run(checkpoints, monkeypatch):
+    """A bf16 checkpoint compiled with float32 products on a CPU with bf16 dot products gets a hint naming
+    --matmul-dtype bfloat16 (the choice stays explicit: a CPU-dependent default would make the hashes depend on
+    the compiling machine); not without those instructions, not when already chosen, not for float32 weights."""
+    from deepinfer.compile import driver
+    m = ModelConfig.from_file(checkpoints["base"] / "config.json")
+    o = lambda **kw: CompileOptions(model=checkpoints["base"], out=Path("unused"), context_limit=128, **kw)
+    def said(has_dot, stored="bfloat16", **kw):
+        monkeypatch.setattr(driver, "cpu_has_bf16_dot", lambda: has_dot)
+        return "hint: this CPU has bf16 dot products; --matmul-dtype bfloat16" in driver._describe(
+            o(**kw), m, resolve(o(**kw), m, stored), 1)
+    assert said(True) and said(True, backend="eager")
+    assert not said(False)
+    assert not said(True, matmul_dtype="bfloat16")
+    assert not said(True, stored=None)                                        # float32 checkpoint
+    assert not said(True, dtype="bfloat16") and not said(True, backend="cuda", dtype="bfloat16")
+
+
 def test_bf16_products_leave_no_bf16_gemm_in_the_graphs():
     """--matmul-dtype bfloat16 graphs hold no bf16 GEMM of their own: every bf16 product goes through an op that
     picks its form on the machine that runs it (rows_linear, grouped_mm, bf16_einsum): torch's bf16 GEMMs where
