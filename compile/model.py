@@ -329,10 +329,10 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         # the absorbed form when many queries share one context, and transformers' own form). Head-major
         # [H, T, C] scores from one bmm over the whole qk head (the shared rope key broadcast to every head):
         # 1.5-1.6x faster than token-major scores from two einsums (compiled, 2 threads, T = 256).
-        # --matmul-dtype bfloat16: these four products read bf16 operands too (the latents, the queries, the
-        # probabilities rounded once; fp32 sums rounded to bf16, as transformers' bf16 attention): `mid` benchmark
-        # model, 256-token chunk, 2 threads on a Zen 5 VM: these products 1.5 -> 0.5 ms a layer (14 ms of the
-        # chunk's 78 before); the chunk 1.13-1.14x faster, 16 prompts' first tokens 1.11-1.14x (interleaved A/B).
+        # --matmul-dtype bfloat16, here (context parallelism; one rank takes the kernel below): these four products
+        # read bf16 operands too (the latents, the queries, the probabilities rounded once; fp32 sums rounded to
+        # bf16, as transformers' bf16 attention): `mid` benchmark model, 256-token chunk, 2 threads on a Zen 5 VM:
+        # these products 1.5 -> 0.5 ms a layer against this form in fp32 (14 ms of the chunk's 78 before).
         # They go through deepinfer::bf16_einsum, which takes torch's bf16 GEMM only where the CPU has bf16 dot
         # products and the fp32 GEMM of the widened operands elsewhere (the same sums): baked in as bf16 GEMMs they
         # ran 30-70x under the fp32 rate on an AVX2 CPU (the demo model's 256-token chunk 13 -> 65 ms).
@@ -342,17 +342,26 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         narrow = bf16 or bf16_on_cpu(spec, x)
         mm = (lambda eq, a, b: torch.ops.deepinfer.bf16_einsum(eq, a, b)) if narrow else torch.einsum
         ctx = kv_cache[tbl[0]].flatten(0, 1)                                             # [C, Dc]
-        if spec.cpu_forms and spec.cp == 1 and not bf16:
+        if spec.cpu_forms and spec.cp == 1:
             # The CPU prefill attention op: each block of queries scored against only the keys it sees (the
             # causal half of the bucket is never computed), token-major throughout. The demo model's 256-token
             # chunk: attention 0.68 -> 0.27 ms a layer (2 threads, Zen 3). Its kernel is fp32: bf16 activations
-            # (`bf16_on_cpu`) are widened first.
+            # (`bf16_on_cpu`) are widened first, and with bf16 products only the latents' expansion to keys and
+            # values reads bf16 operands (its result, rounded to bf16 as before, widened for the kernel). Against
+            # the bf16 graph form below (scores and weighted sums as bf16 GEMMs over the whole bucket, Inductor's
+            # softmax between), `mid` widths, compiled, 2 threads on a Zen 4 VM, the expansion included: a
+            # 256-token chunk 1.13x faster over 256 keys, 1.6x over 512, a 1024-token chunk over 2048 keys 2.1x.
             if x.dtype == torch.bfloat16:
                 ctx, q_nope, q_pe = ctx.float(), q_nope.float(), q_pe.float()
             c_ctx, k_pe_ctx = ctx[:, :kvr], ctx[:, kvr:]
-            k_nope = torch.einsum("cl,hdl->chd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))   # [C, H, dn]
+            if bf16:
+                c16 = c_ctx.to(torch.bfloat16)
+                k_nope = mm("cl,hdl->chd", c16, w["attn.w_uk"]).float()                   # [C, H, dn]
+                v = mm("cl,hvl->chv", c16, w["attn.w_uv"]).float()                        # [C, H, dv]
+            else:
+                k_nope = torch.einsum("cl,hdl->chd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))
+                v = torch.einsum("cl,hvl->chv", c_ctx, as_compute(w["attn.w_uv"], c_ctx))
             k = torch.cat([k_nope, k_pe_ctx[:, None, :].expand(-1, H, dr)], dim=-1)         # [C, H, dn + dr]
-            v = torch.einsum("cl,hvl->chv", c_ctx, as_compute(w["attn.w_uv"], c_ctx))        # [C, H, dv]
             starts = torch.zeros_like(positions) if context_starts is None else context_starts
             o = torch.ops.deepinfer.prefill_attention(torch.cat([q_nope, q_pe], dim=-1), k, v, starts, positions,
                                                       m.softmax_scale).to(x.dtype)           # [T, H, dv]
