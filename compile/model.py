@@ -345,26 +345,27 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         if spec.cpu_forms and spec.cp == 1:
             # The CPU prefill attention op: each block of queries scored against only the keys it sees (the
             # causal half of the bucket is never computed), token-major throughout. The demo model's 256-token
-            # chunk: attention 0.68 -> 0.27 ms a layer (2 threads, Zen 3). Its kernel is fp32: bf16 activations
-            # (`bf16_on_cpu`) are widened first, and with bf16 products only the latents' expansion to keys and
-            # values reads bf16 operands (its result, rounded to bf16 as before, widened for the kernel). Against
-            # the bf16 graph form below (scores and weighted sums as bf16 GEMMs over the whole bucket, Inductor's
-            # softmax between), `mid` widths, compiled, 2 threads on a Zen 4 VM, the expansion included: a
-            # 256-token chunk 1.13x faster over 256 keys, 1.6x over 512, a 1024-token chunk over 2048 keys 2.1x.
+            # chunk: attention 0.68 -> 0.27 ms a layer (2 threads, Zen 3). bf16 activations (`bf16_on_cpu`) are
+            # widened for its fp32 form; with bf16 products it takes bf16 queries, keys and values (bf16 GEMMs over
+            # long spans where the CPU has bf16 dot products, runtime/csrc/prefill_attention.cpp). Against the bf16
+            # graph form below (scores and weighted sums as bf16 GEMMs over the whole bucket, Inductor's softmax
+            # between), `mid` widths, compiled, 2 threads on a Zen 4 VM, the latents' expansion included, with the
+            # kernel's fp32 form alone: a 256-token chunk 1.13x faster over 256 keys, 1.6x over 512, a 1024-token
+            # chunk over 2048 keys 2.1x (its bf16 GEMMs 1.5x more there).
             if x.dtype == torch.bfloat16:
                 ctx, q_nope, q_pe = ctx.float(), q_nope.float(), q_pe.float()
             c_ctx, k_pe_ctx = ctx[:, :kvr], ctx[:, kvr:]
+            q = torch.cat([q_nope, q_pe], dim=-1)                                            # [T, H, dn + dr]
             if bf16:
-                c16 = c_ctx.to(torch.bfloat16)
-                k_nope = mm("cl,hdl->chd", c16, w["attn.w_uk"]).float()                   # [C, H, dn]
-                v = mm("cl,hvl->chv", c16, w["attn.w_uv"]).float()                        # [C, H, dv]
+                c16, k_pe_ctx, q = c_ctx.to(torch.bfloat16), k_pe_ctx.to(torch.bfloat16), q.to(torch.bfloat16)
+                k_nope = mm("cl,hdl->chd", c16, w["attn.w_uk"])                            # [C, H, dn]
+                v = mm("cl,hvl->chv", c16, w["attn.w_uv"])                                 # [C, H, dv]
             else:
                 k_nope = torch.einsum("cl,hdl->chd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))
                 v = torch.einsum("cl,hvl->chv", c_ctx, as_compute(w["attn.w_uv"], c_ctx))
             k = torch.cat([k_nope, k_pe_ctx[:, None, :].expand(-1, H, dr)], dim=-1)         # [C, H, dn + dr]
             starts = torch.zeros_like(positions) if context_starts is None else context_starts
-            o = torch.ops.deepinfer.prefill_attention(torch.cat([q_nope, q_pe], dim=-1), k, v, starts, positions,
-                                                      m.softmax_scale).to(x.dtype)           # [T, H, dv]
+            o = torch.ops.deepinfer.prefill_attention(q, k, v, starts, positions, m.softmax_scale).to(x.dtype)
             return linear(spec, o.reshape(T, -1), w["attn.o_proj"])
         if bf16:
             ctx = ctx.to(torch.bfloat16)

@@ -276,7 +276,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts:
 
     What CPU prefill graphs call without context parallelism (`compile.model.mla_attention`): the kernel
     (runtime/csrc/prefill_attention.cpp) scores each block of queries only against the keys they see, where the
-    torch form below scores the whole bucket and masks half of it away."""
+    torch form below scores the whole bucket and masks half of it away; with the kernels built, their CPU
+    implementation replaces this body for every dtype (bf16 q, k, v: bf16 GEMMs over long spans where the CPU has
+    bf16 dot products)."""
     if q.dtype == k.dtype == v.dtype == torch.float32 and _kernel_runs(q, k):
         return torch.ops.deepinfer_cpu.prefill_attention(q, k, v, starts, positions, scale)
     return prefill_attention_torch(q, k, v, starts, positions, scale)
