@@ -21,7 +21,7 @@ from ..common.manifest import DECODE, DENSE_LAYER, EMBED, HEAD, MOE_DENSE, MOE_L
 from ..common.model_config import ModelConfig
 from ..runtime import ops  # noqa: F401  (registers torch.ops.deepinfer.grouped_mm, rows_linear, paged_mla_decode)
 from ..runtime.cuda_kernels import MAX_ROWS as GPU_KERNEL_MAX_ROWS
-from ..runtime.ops import KERNEL_MAX_ROWS_PER_GROUP, MARK_CONTINUE, MARK_PARTS
+from ..runtime.ops import KERNEL_MAX_ROWS_PER_GROUP, MARK_CONTINUE, MARK_PARTS, PREFILL_BF16_MIN_WORK
 
 Weights = dict[str, torch.Tensor]
 
@@ -174,7 +174,8 @@ def bf16_on_cpu(spec: RegionSpec, x: torch.Tensor) -> bool:
     without bf16 dot products those run 30-70x under the fp32 rate (the demo model's 256-token prefill chunk 123 ms
     against 12 in fp32). Its linears and experts go through the kernels' ops, which take torch's bf16 GEMM only
     where the CPU has bf16 dot products and elsewhere the fp32 path on the widened operands, rounded once (what
-    bf16 hardware computes); its attention and gathered experts compute in fp32 on bf16 inputs."""
+    bf16 hardware computes); its gathered experts and decode attention compute in fp32 on bf16 inputs, its prefill
+    attention as with bf16 products (`mla_attention`)."""
     return spec.cpu_forms and x.dtype == torch.bfloat16
 
 
@@ -345,18 +346,23 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         if spec.cpu_forms and spec.cp == 1:
             # The CPU prefill attention op: each block of queries scored against only the keys it sees (the
             # causal half of the bucket is never computed), token-major throughout. The demo model's 256-token
-            # chunk: attention 0.68 -> 0.27 ms a layer (2 threads, Zen 3). bf16 activations (`bf16_on_cpu`) are
-            # widened for its fp32 form; with bf16 products it takes bf16 queries, keys and values (bf16 GEMMs over
-            # long spans where the CPU has bf16 dot products, runtime/csrc/prefill_attention.cpp). Against the bf16
-            # graph form below (scores and weighted sums as bf16 GEMMs over the whole bucket, Inductor's softmax
-            # between), `mid` widths, compiled, 2 threads on a Zen 4 VM, the latents' expansion included, with the
-            # kernel's fp32 form alone: a 256-token chunk 1.13x faster over 256 keys, 1.6x over 512, a 1024-token
-            # chunk over 2048 keys 2.1x (its bf16 GEMMs 1.5x more there).
-            if x.dtype == torch.bfloat16:
+            # chunk: attention 0.68 -> 0.27 ms a layer (2 threads, Zen 3). With bf16 products or bf16 activations
+            # (`bf16_on_cpu`) it takes bf16 queries, keys and values (the keys and values expanded by bf16 products;
+            # bf16 GEMMs over long spans where the CPU has bf16 dot products, else its fp32 form on the widened
+            # values: runtime/csrc/prefill_attention.cpp). Against the bf16 graph form below (scores and weighted
+            # sums as bf16 GEMMs over the whole bucket, Inductor's softmax between), `mid` widths, compiled, 2
+            # threads on a Zen 4 VM, the latents' expansion included, with the kernel's fp32 form alone: a
+            # 256-token chunk 1.13x faster over 256 keys, 1.6x over 512, a 1024-token chunk over 2048 keys 2.1x
+            # (its bf16 GEMMs 1.5x more there).
+            # bf16 activations keep bf16 only where a block's keys can reach the kernel's bf16 GEMMs: over shorter
+            # contexts the fp32 form on values widened here ran faster (the demo model's 256-token chunk 1.05x, a
+            # 480-token prompt 1.05x).
+            if (x.dtype == torch.bfloat16 and not bf16
+                    and ctx.shape[0] * (dn + dr + m.v_head_dim) < PREFILL_BF16_MIN_WORK):
                 ctx, q_nope, q_pe = ctx.float(), q_nope.float(), q_pe.float()
             c_ctx, k_pe_ctx = ctx[:, :kvr], ctx[:, kvr:]
             q = torch.cat([q_nope, q_pe], dim=-1)                                            # [T, H, dn + dr]
-            if bf16:
+            if bf16 or ctx.dtype == torch.bfloat16:
                 c16, k_pe_ctx, q = c_ctx.to(torch.bfloat16), k_pe_ctx.to(torch.bfloat16), q.to(torch.bfloat16)
                 k_nope = mm("cl,hdl->chd", c16, w["attn.w_uk"])                            # [C, H, dn]
                 v = mm("cl,hvl->chv", c16, w["attn.w_uv"])                                 # [C, H, dv]

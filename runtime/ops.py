@@ -335,6 +335,9 @@ def _kernel_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
 # These thresholds decide the Python body only; runtime/csrc/grouped_rows_mm.cpp holds the same values for the
 # C++ CPU implementation that replaces it once the kernels are loaded.
 KERNEL_MAX_ROWS_PER_GROUP = 64
+# runtime/csrc/prefill_attention.cpp kBf16MinWork: a block of queries whose keys x (D + Dv) reach this runs the
+# prefill attention's products as bf16 GEMMs (bf16 operands, a CPU with bf16 dot products); below, its fp32 form.
+PREFILL_BF16_MIN_WORK = 51200
 
 
 def _swap_operands(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -250,8 +250,10 @@ inline void narrow_bf16(const float* src, uint16_t* dst, int64_t n) {
 // bf16 q, k, v where the CPU has bf16 dot products: the same tasks as the fp32 form, each product one at::mm over
 // bf16 views into per-thread buffers. A 2-core Zen 4 VM, one thread, against MKL's sgemm at the same shapes: 64
 // queries x 96 dims over 2048 keys 1.85x, the weighted sum over them 1.9x; over 256 keys 1.0-1.15x, where the
-// calls' fixed cost (~10-20 us each) takes the gain: tasks over fewer keys than this take the fp32 form.
-constexpr int64_t kBf16MinKeys = 320;
+// calls' fixed cost (~10-20 us each) takes the gain: tasks with less work a query row than this (keys x (D + Dv):
+// 320 keys at `mid`'s 96 + 64 dims) take the fp32 form. At the demo model's 48 + 32 dims the bf16 form over 320-512
+// keys ran 0.95x.
+constexpr int64_t kBf16MinWork = 51200;
 
 at::Tensor prefill_attention_bf16(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                                   const at::Tensor& starts_, const at::Tensor& positions_, double scale) {
@@ -278,7 +280,7 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q_, const at::Tensor& k_, co
     for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
       const int64_t b = order[task / H], h = task % H;
       const int64_t t0 = b * QB, nr = std::min(T, t0 + QB) - t0, c0 = blo[b], n = bhi[b] - c0;
-      if (n < kBf16MinKeys && gemm != nullptr) {
+      if (n * (D + Dv) < kBf16MinWork && gemm != nullptr) {
         // Few keys: the two at::mm calls' fixed cost outweighs the faster products. The fp32 form's task on this
         // task's rows, widened (a few % of its products' time).
         wq.resize(static_cast<size_t>(nr * D));

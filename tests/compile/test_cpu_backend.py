@@ -160,16 +160,20 @@ def test_bf16_activations_meet_no_bf16_gemm(cp):
     grouped_mm, bf16_einsum: torch's bf16 GEMM only where the CPU has bf16 dot products, else the fp32 GEMM of the
     widened operands, rounded once) or runs in fp32 (the attention's absorptions and kernels, the gathered experts):
     torch's bf16 GEMMs run 30-70x under the fp32 rate on CPUs without bf16 dot products (the demo model's 256-token
-    prefill chunk took 123 ms in bf16 against 12 in fp32). So no aten GEMM in any graph reads a bf16 operand; with CP
-    the prefill attention's torch form too (its products through bf16_einsum)."""
+    prefill chunk took 123 ms in bf16 against 12 in fp32). So no aten GEMM in any graph reads a bf16 operand: on one
+    rank a prefill chunk's attention is the kernel op (over a 512-key context on bf16 keys and values, which the
+    latents expand to through bf16_einsum; over 64 keys in fp32), with CP the torch form with its products through
+    bf16_einsum."""
     from pathlib import Path
     from checkpoints import TINY
     from deepinfer.common.model_config import ModelConfig
     from deepinfer.compile.graphs import export_graph, plan_graphs
     from deepinfer.compile.options import resolve
-    m = ModelConfig.from_hf_dict(dict(TINY, model_type="deepseek_v3"))
+    # heads wide enough that a 512-key context reaches the kernel's bf16 GEMMs (ops.PREFILL_BF16_MIN_WORK)
+    m = ModelConfig.from_hf_dict(dict(TINY, model_type="deepseek_v3", qk_nope_head_dim=64, qk_rope_head_dim=32,
+                                      v_head_dim=64))
     cc = resolve(CompileOptions(model=Path("tiny"), out=Path("unused"), backend="cpu", dtype="bfloat16", cp=cp,
-                                decode_buckets=(1, 4), prefill_buckets=(32,), context_limit=64, context_buckets=()), m)
+                                decode_buckets=(1, 4), prefill_buckets=(32,), context_limit=512, context_buckets=(64,)), m)
     gemms = ("aten.mm.", "aten.bmm.", "aten.addmm.", "aten.baddbmm.", "aten.linear.", "aten.matmul.", "aten.einsum.",
              "aten._grouped_mm.")
     seen, narrow = set(), []
@@ -185,4 +189,4 @@ def test_bf16_activations_meet_no_bf16_gemm(cp):
                     narrow.append(f"{plan.name}: {n.target}")
     assert not narrow, narrow
     assert {"rows_linear", "grouped_mm", "paged_mla_decode"} <= seen        # the ops that take them
-    assert ("prefill_attention" in seen) == (cp == 1) and ("bf16_einsum" in seen) == (cp > 1)
+    assert ("prefill_attention" in seen) == (cp == 1) and "bf16_einsum" in seen

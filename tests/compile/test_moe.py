@@ -906,19 +906,18 @@ def test_prefill_attention_matches(H, D, Dv, lengths, pad, offset, C, scale):
     check(torch.ops.deepinfer.prefill_attention(q.double(), k.double(), v.double(), starts, positions, scale).float())
 
 
-BF16_MIN_KEYS = 320     # runtime/csrc/prefill_attention.cpp kBf16MinKeys: query blocks over this many keys or more
-
-
 @pytest.mark.parametrize("H,D,Dv,lengths,pad,offset,C,scale", [
-    (4, 48, 32, [256], 0, 256, 512, 0.144),            # blocks over 257-512 keys: both forms in one call
+    (2, 96, 64, [512], 0, 0, 512, 0.1),                # one causal prompt: blocks over 64-512 keys, both forms
+    (2, 48, 32, [256], 0, 512, 1024, 0.144),           # a third chunk at the demo model's widths: both forms
     (3, 19, 13, [100, 50, 70], 36, 0, 256, 0.2),       # short spans only; odd widths
     (2, 96, 64, [300], 10, 400, 720, 0.1),             # one long prompt's continuation, padding
 ])
 def test_prefill_attention_bf16_operands(H, D, Dv, lengths, pad, offset, C, scale):
     """bf16 q, k, v (--matmul-dtype bfloat16) against float64 on the same bf16 values. Where the CPU has bf16 dot
-    products, a block of 64 queries whose keys span BF16_MIN_KEYS or more takes bf16 GEMMs (its scores,
-    probabilities and outputs rounded to bf16: within that rounding, and not exact), a block over fewer the fp32
-    form on the widened operands (to 1e-5); elsewhere every block takes the fp32 form. Padding queries get zeros."""
+    products, a block of 64 queries whose keys x (D + Dv) reach ops.PREFILL_BF16_MIN_WORK takes bf16 GEMMs (its
+    scores, probabilities and outputs rounded to bf16: within that rounding, and not exact), a block with less the
+    fp32 form on the widened operands (to 1e-5); elsewhere every block takes the fp32 form. Padding queries get
+    zeros."""
     _kernels_or_skip()
     g = torch.Generator().manual_seed(H * D + C)
     starts, positions = _packed(lengths, pad, offset)
@@ -933,7 +932,8 @@ def test_prefill_attention_bf16_operands(H, D, Dv, lengths, pad, offset, C, scal
     long_rows = torch.zeros(T, dtype=torch.bool)
     for b in range(0, T, 64):
         rows = real[b:b + 64]
-        if rows.any() and hi[b:b + 64][rows].max() - lo[b:b + 64][rows].min() >= BF16_MIN_KEYS:
+        span = hi[b:b + 64][rows].max() - lo[b:b + 64][rows].min() if rows.any() else 0
+        if rows.any() and span * (D + Dv) >= ops.PREFILL_BF16_MIN_WORK:
             long_rows[b:b + 64] = ops.cpu_has_bf16_dot()
     err = (o.double() - ref).abs()
     if not long_rows.all():
