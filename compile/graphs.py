@@ -148,7 +148,7 @@ def _weight_shapes(m: ModelConfig, cc: CompileConfig) -> dict[str, tuple[tuple[i
         "rank.ep_weight": ((), "float32"),
         "input_layernorm": ((D,), dt), "post_attention_layernorm": ((D,), dt),
         "attn.q_kv_a_proj": ((m.q_a_rows + kvr + dr, D), wt), "attn.kv_a_layernorm": ((kvr,), dt),
-        "attn.w_uk": ((H, dn, kvr), wt), "attn.w_uv": ((H, dv, kvr), wt), "attn.o_proj": ((D, H * dv), wt),
+        "attn.w_uk": ((H, kvr, dn), wt), "attn.w_uv": ((H, dv, kvr), wt), "attn.o_proj": ((D, H * dv), wt),
         "mlp.gate_up": ((2 * m.intermediate_size, D), wt), "mlp.down": ((D, m.intermediate_size), wt),
         "moe.router_weight": ((m.n_routed_experts, D), "float32"), "moe.router_bias": ((m.n_routed_experts,), "float32"),
         "moe.experts_gate_up": ((G, 2 * I, D), wt), "moe.experts_down": ((G, D, I), wt),

@@ -298,8 +298,14 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         # Absorbed: fold W_UK into q, score against the latent cache, apply W_UV after the softmax.
         # (`bf16_on_cpu`: the absorptions and the attention in fp32, as the other backends' scores are, below)
         wide = bf16_on_cpu(spec, x)
-        qn, wq = (q_nope.float(), w["attn.w_uk"].float()) if wide else (q_nope, as_compute(w["attn.w_uk"], x))
-        q_lat = torch.einsum("thd,hdc->thc", qn, wq)
+        if spec.cpu_forms:
+            # One grouped product over the heads, fp32 sums of the operands as they are (bf16 dot products for bf16
+            # queries and weights, no widened copy of the weight a step): `mid` widths, 16 rows, 19-40 us against
+            # 61-77 for the fp32 bmm of widened operands (runtime/ops.py `head_linear`)
+            q_lat = torch.ops.deepinfer.head_linear(q_nope.transpose(0, 1), w["attn.w_uk"]).transpose(0, 1)
+        else:
+            qn, wq = (q_nope.float(), w["attn.w_uk"].float()) if wide else (q_nope, as_compute(w["attn.w_uk"], x))
+            q_lat = torch.einsum("thd,hcd->thc", qn, wq)
         q_abs = torch.cat([q_lat, q_pe.float() if wide else q_pe], dim=-1)                # [T, H, Dc]
         if spec.cpu_forms:
             # The paged decode attention op: the CPU kernel reads only each token's valid keys, where they lie in
@@ -321,10 +327,13 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
             scores = scores.mul(m.softmax_scale).masked_fill(mask, float("-inf"))
             c_ctx = ctx[..., :kvr]
             o_lat = _attend(spec, scores, lambda p: torch.bmm(p.to(c_ctx.dtype), c_ctx).float(), comm)
-        ol, wv = (o_lat.float(), w["attn.w_uv"].float()) if wide else (o_lat.to(x.dtype), as_compute(w["attn.w_uv"], x))
-        o = torch.einsum("thc,hvc->thv", ol, wv)
-        if wide:
-            o = o.to(x.dtype)
+        if spec.cpu_forms:         # the fp32 latent output against the weights as stored, as the queries' product
+            o = torch.ops.deepinfer.head_linear(o_lat.transpose(0, 1), w["attn.w_uv"]).transpose(0, 1).to(x.dtype)
+        else:
+            ol, wv = (o_lat.float(), w["attn.w_uv"].float()) if wide else (o_lat.to(x.dtype), as_compute(w["attn.w_uv"], x))
+            o = torch.einsum("thc,hvc->thv", ol, wv)
+            if wide:
+                o = o.to(x.dtype)
     else:
         # Prefill chunk: expand the packed context's latents to per-head keys and values once (cheaper than
         # the absorbed form when many queries share one context, and transformers' own form). Head-major
@@ -364,10 +373,10 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
             q = torch.cat([q_nope, q_pe], dim=-1)                                            # [T, H, dn + dr]
             if bf16 or ctx.dtype == torch.bfloat16:
                 c16, k_pe_ctx, q = c_ctx.to(torch.bfloat16), k_pe_ctx.to(torch.bfloat16), q.to(torch.bfloat16)
-                k_nope = mm("cl,hdl->chd", c16, w["attn.w_uk"])                            # [C, H, dn]
+                k_nope = mm("cl,hld->chd", c16, w["attn.w_uk"])                            # [C, H, dn]
                 v = mm("cl,hvl->chv", c16, w["attn.w_uv"])                                 # [C, H, dv]
             else:
-                k_nope = torch.einsum("cl,hdl->chd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))
+                k_nope = torch.einsum("cl,hld->chd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))
                 v = torch.einsum("cl,hvl->chv", c_ctx, as_compute(w["attn.w_uv"], c_ctx))
             k = torch.cat([k_nope, k_pe_ctx[:, None, :].expand(-1, H, dr)], dim=-1)         # [C, H, dn + dr]
             starts = torch.zeros_like(positions) if context_starts is None else context_starts
@@ -376,7 +385,7 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
         if bf16:
             ctx = ctx.to(torch.bfloat16)
         c_ctx, k_pe_ctx = ctx[:, :kvr], ctx[:, kvr:]                                   # the pool is in x's dtype
-        k_nope = mm("cl,hdl->hcd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))             # [H, C, dn]
+        k_nope = mm("cl,hld->hcd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))             # [H, C, dn]
         k = torch.cat([k_nope, k_pe_ctx[None].expand(H, -1, dr)], dim=-1)              # [H, C, dn + dr]
         v = mm("cl,hvl->hcv", c_ctx, as_compute(w["attn.w_uv"], c_ctx))                  # [H, C, dv]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)                             # [H, T, dn + dr]

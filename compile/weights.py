@@ -120,7 +120,10 @@ def shard_specs(m: ModelConfig, cc: CompileConfig, rank: RankLayout) -> list[Wei
             add(L + "attn.q_b_proj", (H * (dn + dr), qr), wdt, hf(a + "q_b_proj.weight", (H * (dn + dr), qr)))
         add(L + "attn.kv_a_layernorm", (kvr,), dt, hf(a + "kv_a_layernorm.weight", (kvr,)))
         kv_b = (a + "kv_b_proj.weight", (H * (dn + dv), kvr))
-        add(L + "attn.w_uk", (H, dn, kvr), wdt, lambda ck, kv_b=kv_b: ck.get(*kv_b).view(H, dn + dv, kvr)[:, :dn])
+        # W_UK per head as the absorption's weight [kvr, dn] (q_nope -> latent: F.linear's layout for the decode's
+        # grouped kernel); W_UV as kv_b_proj stores it, [dv, kvr] (latent -> value)
+        add(L + "attn.w_uk", (H, kvr, dn), wdt,
+            lambda ck, kv_b=kv_b: ck.get(*kv_b).view(H, dn + dv, kvr)[:, :dn].transpose(1, 2))
         add(L + "attn.w_uv", (H, dv, kvr), wdt, lambda ck, kv_b=kv_b: ck.get(*kv_b).view(H, dn + dv, kvr)[:, dn:])
         add(L + "attn.o_proj", (D, H * dv), wdt, hf(a + "o_proj.weight", (D, H * dv)))
         if not m.is_moe_layer(i):

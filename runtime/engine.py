@@ -566,7 +566,10 @@ def collector_paused():
     """Python's cyclic collector off for a block that allocates many long-lived objects and no garbage cycles worth
     collecting (loading graphs and weights): its full collections there walk everything loaded so far. Loading the
     `mid` benchmark artifact ran three, 320-330 ms of its 4.4-5.4 s (2-core VM); with this around make_runner, one
-    (76 ms, importing jinja2 for the chat template). Restores the collector's state as it was."""
+    (76 ms, importing jinja2 for the chat template). Restores the collector's state as it was, and then collects
+    once: what loading allocated (~300k objects) would otherwise sit in the youngest generation, and the first
+    requests' young collections would walk it all, then again one generation up (a `mid-bf16` 16-sequence run
+    right after loading: one 69 ms pause in its decode steps, tripling their host time)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -574,6 +577,7 @@ def collector_paused():
     finally:
         if was:
             gc.enable()
+            gc.collect()
 
 
 def make_runner(art: Artifact, rank: int, device: str = "cpu", timing: bool = False) -> ModelRunner:

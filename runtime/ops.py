@@ -187,6 +187,29 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+@torch.library.custom_op("deepinfer::head_linear", mutates_args=())
+def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per head h, F.linear(x[h], w[h]) in fp32: x [H, T, K], w [H, N, K] -> fp32 [H, T, N], the fp32 sums of the
+    exact products of the operands as they are (bf16 or fp32). The CPU decode attention's two absorptions (the
+    queries into the latent space, the latent output back out of it: compile/model.py `mla_attention`). Here torch's
+    fp32 bmm on the widened operands; runtime/csrc/grouped_rows_mm.cpp's CPU implementation runs the heads as the
+    grouped kernel's groups, with bf16 dot products where both operands are bf16 and the CPU has them (2-4x torch's
+    bmm at `mid` widths, with no widened copy of the weight a step)."""
+    return head_linear_torch(x, w)
+
+
+def head_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(x.float(), w.float().transpose(1, 2))
+
+
+@head_linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    torch._check(x.dim() == 3 and w.dim() == 3, lambda: "head_linear: x [H, T, K], w [H, N, K]")
+    torch._check(x.shape[0] == w.shape[0] and x.shape[2] == w.shape[2],
+                 lambda: f"head_linear: x {tuple(x.shape)} against w {tuple(w.shape)}")
+    return x.new_empty(x.shape[0], x.shape[1], w.shape[1], dtype=torch.float32)
+
+
 # Parts of a layer graph that `deepinfer::region_mark` closes (compile --region-marks): the index is the op's `part`
 # argument; MARK_CONTINUE closes a segment that belongs to the part that encloses it, the next attention, mlp or
 # moe mark's (the work before a collective inside the attention or the MoE).

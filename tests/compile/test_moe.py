@@ -775,6 +775,23 @@ def test_rows_linear_with_and_without_the_kernel():
     torch.testing.assert_close(torch.ops.deepinfer.rows_linear(x, wb), x @ wb.float().T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("H,T,K,N", [(8, 16, 64, 256), (8, 1, 256, 64), (3, 5, 7, 9), (2, 16, 33, 17)])
+@pytest.mark.parametrize("xdtype,wdtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                           (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_head_linear_is_per_head_linear_in_fp32(H, T, K, N, xdtype, wdtype, kernel_isa):
+    """deepinfer::head_linear (the CPU decode attention's absorptions): per head x[h] @ w[h].T, fp32 sums of the
+    exact products of the operands as they are, from a head-major view of token-major rows (the graph's operand),
+    on the op (the grouped kernel: bf16 dot products where the CPU has them) and its torch body alike."""
+    g = torch.Generator().manual_seed(H * T + K)
+    x = torch.randn(T, H, K, generator=g).to(xdtype).transpose(0, 1)        # [H, T, K], not contiguous
+    w = torch.randn(H, N, K, generator=g).to(wdtype)
+    ref = torch.bmm(x.double(), w.double().transpose(1, 2))
+    for out in (torch.ops.deepinfer.head_linear(x, w), ops.head_linear_torch(x, w)):
+        assert out.dtype == torch.float32 and out.shape == (H, T, N)
+        # fp32 sums of exact products: within fp32 rounding of the float64 sums, not bf16's
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * K ** 0.5)
+
+
 def _paged_reference(q, kv, tables, valid, L, scale):
     ctx = kv[tables].flatten(1, 2).double()
     s = (q.double() @ ctx.transpose(1, 2)) * scale
