@@ -1010,8 +1010,35 @@ DEEPINFER_BF16_TARGET void xpanel_bf16_task(const uint16_t* w, const uint16_t* x
   for (; n < n1; ++n) xtile_bf16<Tune, 1, false>(w + n * K, xt, K, out + n, ldo, rows);   // the last 1-3 weight rows
 }
 
-// x bf16 [M, K], wt bf16 [G, N, K], both contiguous -> out fp32 [M, N] (rows in no group left as they are).
-void grouped_rows_bf16(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends, at::Tensor& out) {
+// Rows [r0, r1) x columns [n0, n1) of fp32 sums rounded to bf16 (round to nearest even, NaN to 0xffff: what
+// at::Tensor::to's vectorised conversion computes), both row stride ld: a task's own block of the output, rounded while it
+// is in this core's cache, instead of a parallel pass of its own over the whole output afterwards
+// (`acc.to(kBFloat16)`) that read every block back from the core that wrote it. `mid-bf16` 16-sequence decode steps,
+// the two forms alternated in one process (12 pairs of 32 steps, 2 threads, Zen 4): 1.004x with bf16 activations,
+// 1.014x with bf16 products; batch 1 1.02x.
+DEEPINFER_AVX512_TARGET void round_block_bf16(const float* acc, at::BFloat16* out16, int64_t ld, int64_t r0, int64_t r1,
+                                              int64_t n0, int64_t n1) {
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), qnan = _mm512_set1_epi32(0xffff);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* src = acc + r * ld;
+    auto* dst = reinterpret_cast<uint16_t*>(out16 + r * ld);
+    int64_t n = n0;
+    for (; n < n1; n += 16) {
+      const __mmask16 m = n + 16 <= n1 ? __mmask16(0xffff) : __mmask16((1u << (n1 - n)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(m, src + n);
+      const __m512i u = _mm512_castps_si512(v);
+      __m512i t = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), one), bias);
+      t = _mm512_srli_epi32(_mm512_add_epi32(u, t), 16);
+      t = _mm512_mask_mov_epi32(t, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
+      _mm256_mask_storeu_epi16(dst + n, m, _mm512_cvtepi32_epi16(t));
+    }
+  }
+}
+
+// x bf16 [M, K], wt bf16 [G, N, K], both contiguous -> out fp32 [M, N] (rows in no group left as they are); with
+// out16 (bf16 [M, N], the same strides), each task's block rounded into it too.
+void grouped_rows_bf16(const at::Tensor& x, const at::Tensor& wt, const int64_t* ends, at::Tensor& out,
+                       at::BFloat16* out16 = nullptr) {
   const int64_t M = x.size(0), K = x.size(1), G = wt.size(0), N = wt.size(1);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wt.data_ptr<at::BFloat16>());
@@ -1023,9 +1050,10 @@ void grouped_rows_bf16(const at::Tensor& x, const at::Tensor& wt, const int64_t*
   with_tuning([&](auto tune) {
     for_each_task(M, G, N, ends, [&](int64_t g, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
       if (xpanel && r1 - r0 >= kXPanelMinRows && r1 - r0 <= kXPanelMaxRows)
-        return xpanel_bf16_task<decltype(tune)>(wp + g * N * K, xp + r0 * K, r1 - r0, K, n0, n1, outp + r0 * N, N,
-                                                call + g);
-      bf16_task<decltype(tune)>(wp + g * N * K, xp + r0 * K, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
+        xpanel_bf16_task<decltype(tune)>(wp + g * N * K, xp + r0 * K, r1 - r0, K, n0, n1, outp + r0 * N, N, call + g);
+      else
+        bf16_task<decltype(tune)>(wp + g * N * K, xp + r0 * K, r1 - r0, row_block, K, n0, n1, outp + r0 * N, N);
+      if (out16 != nullptr) round_block_bf16(outp, out16, N, r0, r1, n0, n1);
     }, block_n);
   });
 }
@@ -1118,10 +1146,13 @@ at::Tensor bf16_products(const at::Tensor& x, const at::Tensor& wt, const int64_
   }
   RECORD_FUNCTION("deepinfer_cpu::grouped_rows_mm", std::vector<c10::IValue>());
   at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (cpu_has_bf16_dot())
-    grouped_rows_bf16(x, wt, ends, acc);
-  else
-    grouped_rows(x.to(at::kFloat), wt, ends, acc);
+  if (cpu_has_bf16_dot()) {      // each task rounds its own block
+    at::Tensor out = at::empty({M, N}, x.options());
+    grouped_rows_bf16(x, wt, ends, acc, out.data_ptr<at::BFloat16>());
+    zero_tail(out, last);
+    return out;
+  }
+  grouped_rows(x.to(at::kFloat), wt, ends, acc);
   zero_tail(acc, last);
   return acc.to(at::kBFloat16);
 }

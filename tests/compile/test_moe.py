@@ -543,6 +543,15 @@ def test_bf16_products_ops():
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), (x.double() @ w2.double().T).to(torch.bfloat16).double(),
                                rtol=2 ** -7, atol=1e-4)
+    # the kernel's own fp32 sums, rounded as torch rounds them (to nearest even; where each of the kernel's tasks
+    # rounds its block of the output), bit for bit, NaN, inf and ties included
+    w3 = torch.cat([w2, torch.tensor([[float("nan")] + [0.0] * 299, [float("inf")] + [0.0] * 299,
+                                      [1 + 2 ** -8] + [0.0] * 299, [1 + 3 * 2 ** -8] + [0.0] * 299]).bfloat16()])
+    x3 = torch.cat([x, torch.tensor([[1.0] + [0.0] * 299]).bfloat16()])
+    for xs, offs in ((x3, [7]), (x3[:1], [1]), (torch.randn(16, 300, generator=g).bfloat16(), [16])):
+        sums = torch.ops.deepinfer_cpu.grouped_rows_mm(xs, w3[None], torch.tensor(offs))
+        assert torch.equal(torch.ops.deepinfer.rows_linear(xs, w3).view(torch.int16),
+                           sums.to(torch.bfloat16).view(torch.int16))
 
 
 def test_bf16_products_many_rows():
