@@ -162,6 +162,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+# The CPU prefill's expansion of bf16 latents through the grouped kernel's bf16 dot products (`mla_attention`) from
+# this kv_lora_rank (the kernel's K) on: at the demo model's 64 it ran 0.987x the fp32 GEMM of the widened operands
+# (fp32 latents with bf16 weights through its fp32 form 0.97x there, 1.00x at `mid`'s 256: those keep the GEMM).
+EXPAND_DOT_MIN_RANK = 128
+
+
 def as_compute(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A weight in x's dtype: bfloat16 weights meet float32 activations this way (--weight-dtype bfloat16 on
     the CPU). Where the cast feeds a reduction (the one-row multiply-sum, gathered experts), Inductor fuses it
@@ -366,6 +372,7 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
             # bf16 activations keep bf16 only where a block's keys can reach the kernel's bf16 GEMMs: over shorter
             # contexts the fp32 form on values widened here ran faster (the demo model's 256-token chunk 1.05x, a
             # 480-token prompt 1.05x).
+            pooled = ctx                           # the latents as the pool holds them (bf16 with bf16 activations)
             if (x.dtype == torch.bfloat16 and not bf16
                     and ctx.shape[0] * (dn + dr + m.v_head_dim) < PREFILL_BF16_MIN_WORK):
                 ctx, q_nope, q_pe = ctx.float(), q_nope.float(), q_pe.float()
@@ -375,6 +382,17 @@ def mla_attention(spec: RegionSpec, x: torch.Tensor, positions: torch.Tensor, sl
                 c16, k_pe_ctx, q = c_ctx.to(torch.bfloat16), k_pe_ctx.to(torch.bfloat16), q.to(torch.bfloat16)
                 k_nope = mm("cl,hld->chd", c16, w["attn.w_uk"])                            # [C, H, dn]
                 v = mm("cl,hvl->chv", c16, w["attn.w_uv"])                                 # [C, H, dv]
+            elif pooled.dtype == w["attn.w_uk"].dtype == torch.bfloat16 and kvr >= EXPAND_DOT_MIN_RANK:
+                c_lat = pooled[:, :kvr]
+                # bf16 activations over short contexts: fp32 keys and values from the bf16 latents and weights as
+                # they are, one product each over all heads (the heads' weights stacked as one [H * d, kvr] linear)
+                # through the grouped kernel: fp32 sums of the exact products, with bf16 dot products where the CPU
+                # has them, instead of the fp32 GEMM of widened operands (the same sums). `mid` widths, 256 keys:
+                # 225 us against 536; the `mid-bf16` 256-token chunk 1.027x, 16 prompts' first tokens 1.026x.
+                uk = w["attn.w_uk"].transpose(1, 2).reshape(1, H * dn, kvr)
+                k_nope = torch.ops.deepinfer.head_linear(c_lat[None], uk)[0].view(-1, H, dn)
+                v = torch.ops.deepinfer.head_linear(c_lat[None], w["attn.w_uv"].reshape(1, H * m.v_head_dim, kvr))
+                v = v[0].view(-1, H, m.v_head_dim)
             else:
                 k_nope = torch.einsum("cl,hld->chd", c_ctx, as_compute(w["attn.w_uk"], c_ctx))
                 v = torch.einsum("cl,hvl->chv", c_ctx, as_compute(w["attn.w_uv"], c_ctx))

@@ -1271,7 +1271,8 @@ at::Tensor rows_linear_cpu(const at::Tensor& x_, const at::Tensor& w_) {
 // deepinfer::head_linear: per head h, x[h] [T, K] times w[h] [N, K] transposed -> fp32 [H, T, N], the fp32 sums of
 // the exact products (the decode attention's absorptions: the queries into the latent space, the latent output out
 // of it). The heads are the kernel's groups: bf16 x and w take the dot-product kernel where the CPU has it (else the
-// fp32 kernel on the widened rows: the same products), fp32 x the fp32 kernel on w as stored (fp32 or bf16).
+// fp32 kernel on the widened rows: the same products), fp32 x the fp32 kernel on w as stored (fp32 or bf16). Also
+// the CPU prefill's expansion of the latents to fp32 keys and values (one head of all heads' weights stacked).
 // `mid` widths (8 heads, 16 rows, K 64 / 256, N 256 / 64; 2 threads, Zen 4): 19 / 16 us with bf16 rows, 40 / 37
 // with fp32 rows, against 61 / 47 for torch's fp32 bmm of the rows and weights widened first.
 at::Tensor head_linear_cpu(const at::Tensor& x_, const at::Tensor& w_) {
@@ -1280,7 +1281,10 @@ at::Tensor head_linear_cpu(const at::Tensor& x_, const at::Tensor& w_) {
   const int64_t H = x_.size(0), T = x_.size(1), K = x_.size(2), N = w_.size(1);
   const bool dot = bf16_kernel_dtypes(x_, w_);
   const at::Tensor x = (dot ? x_ : x_.to(at::kFloat)).reshape({H * T, K}).contiguous();
-  if (!kernel_dtypes(x, w_) && !dot)     // weights of another dtype: torch's fp32 bmm
+  // Weights of another dtype, or many rows where only the kernel's dot-product tiles would take them (an AVX2 CPU
+  // with the panel form off, as rows_linear_cpu): torch's fp32 bmm.
+  const bool forms = T <= kMaxRowsPerGroup || use_avx512() || (K % 8 == 0 && g_allow_panel.load());
+  if (!dot && !(kernel_dtypes(x, w_) && forms))
     return at::bmm(x.view({H, T, K}), w_.to(at::kFloat).transpose(1, 2));
   const at::Tensor w = w_.contiguous();
   std::vector<int64_t> ends(H);

@@ -190,3 +190,31 @@ def test_bf16_activations_meet_no_bf16_gemm(cp):
     assert not narrow, narrow
     assert {"rows_linear", "grouped_mm", "paged_mla_decode"} <= seen        # the ops that take them
     assert ("prefill_attention" in seen) == (cp == 1) and "bf16_einsum" in seen
+
+
+def test_bf16_activations_expand_short_contexts_through_the_kernel(tmp_path, monkeypatch):
+    """--dtype bfloat16, a prefill chunk over a context too short for the attention kernel's bf16 GEMMs: the keys and
+    values expand from the bf16 latents through deepinfer::head_linear (kv_lora_rank >= EXPAND_DOT_MIN_RANK; the
+    grouped kernel's bf16 dot products), the same fp32 sums as the fp32 einsum of the widened operands but for their
+    order: the same tokens and logprobs either way (a wrong layout of W_UK or W_UV would change both)."""
+    from checkpoints import make_checkpoint
+    from deepinfer.compile import model as model_mod
+    from deepinfer.compile.graphs import export_graph, plan_graphs
+    ck = make_checkpoint(tmp_path / "ck", seed=3, dtype=torch.bfloat16, kv_lora_rank=128)
+    runs = {}
+    for name, rank in (("kernel", model_mod.EXPAND_DOT_MIN_RANK), ("einsum", 1 << 30)):
+        monkeypatch.setattr(model_mod, "EXPAND_DOT_MIN_RANK", rank)
+        art = compile_artifact(CompileOptions(model=ck, out=tmp_path / name, backend="eager", dtype="bfloat16",
+                                              decode_buckets=(1, 4), prefill_buckets=(32,), context_limit=128,
+                                              context_buckets=(64,), cache_dir=tmp_path / f"cache-{name}"),
+                               log=lambda s: None)
+        plan = next(p for p in plan_graphs(art.manifest.model, art.manifest.compile)
+                    if p.name.startswith("moe_layer.prefill"))
+        ops = {str(n.target) for n in export_graph(plan)[0].graph.nodes if n.op == "call_function"}
+        assert ("deepinfer.head_linear.default" in ops) == (name == "kernel"), sorted(ops)
+        engine = Engine.from_artifact(tmp_path / name, prefix_caching=False)
+        prompts = [list(range(3, 40)), [5, 9, 2, 7] * 5]
+        runs[name] = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0))
+    for a, b in zip(runs["kernel"], runs["einsum"]):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), rtol=0, atol=3e-2)

@@ -784,11 +784,13 @@ def test_rows_linear_with_and_without_the_kernel():
     torch.testing.assert_close(torch.ops.deepinfer.rows_linear(x, wb), x @ wb.float().T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("H,T,K,N", [(8, 16, 64, 256), (8, 1, 256, 64), (3, 5, 7, 9), (2, 16, 33, 17)])
+@pytest.mark.parametrize("H,T,K,N", [(8, 16, 64, 256), (8, 1, 256, 64), (3, 5, 7, 9), (2, 16, 33, 17),
+                                     (1, 200, 64, 96), (1, 100, 33, 40)])     # prefill's expansion: many rows
 @pytest.mark.parametrize("xdtype,wdtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
                                            (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
 def test_head_linear_is_per_head_linear_in_fp32(H, T, K, N, xdtype, wdtype, kernel_isa):
-    """deepinfer::head_linear (the CPU decode attention's absorptions): per head x[h] @ w[h].T, fp32 sums of the
+    """deepinfer::head_linear (the CPU decode attention's absorptions, the prefill's expansion of the latents to fp32
+    keys and values): per head x[h] @ w[h].T, fp32 sums of the
     exact products of the operands as they are, from a head-major view of token-major rows (the graph's operand),
     on the op (the grouped kernel: bf16 dot products where the CPU has them) and its torch body alike."""
     g = torch.Generator().manual_seed(H * T + K)
