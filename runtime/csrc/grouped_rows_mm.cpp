@@ -1010,29 +1010,16 @@ DEEPINFER_BF16_TARGET void xpanel_bf16_task(const uint16_t* w, const uint16_t* x
   for (; n < n1; ++n) xtile_bf16<Tune, 1, false>(w + n * K, xt, K, out + n, ldo, rows);   // the last 1-3 weight rows
 }
 
-// Rows [r0, r1) x columns [n0, n1) of fp32 sums rounded to bf16 (round to nearest even, NaN to 0xffff: what
-// at::Tensor::to's vectorised conversion computes), both row stride ld: a task's own block of the output, rounded while it
-// is in this core's cache, instead of a parallel pass of its own over the whole output afterwards
-// (`acc.to(kBFloat16)`) that read every block back from the core that wrote it. `mid-bf16` 16-sequence decode steps,
+// Rows [r0, r1) x columns [n0, n1) of fp32 sums rounded to bf16 as torch rounds them (`narrow_bf16`), both row
+// stride ld: a task's own block of the output, rounded while it is in this core's cache, instead of a parallel pass
+// of its own over the whole output afterwards (`acc.to(kBFloat16)`) that read every block back from the core that
+// wrote it. `mid-bf16` 16-sequence decode steps,
 // the two forms alternated in one process (12 pairs of 32 steps, 2 threads, Zen 4): 1.004x with bf16 activations,
 // 1.014x with bf16 products; batch 1 1.02x.
-DEEPINFER_AVX512_TARGET void round_block_bf16(const float* acc, at::BFloat16* out16, int64_t ld, int64_t r0, int64_t r1,
-                                              int64_t n0, int64_t n1) {
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), qnan = _mm512_set1_epi32(0xffff);
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* src = acc + r * ld;
-    auto* dst = reinterpret_cast<uint16_t*>(out16 + r * ld);
-    int64_t n = n0;
-    for (; n < n1; n += 16) {
-      const __mmask16 m = n + 16 <= n1 ? __mmask16(0xffff) : __mmask16((1u << (n1 - n)) - 1);
-      const __m512 v = _mm512_maskz_loadu_ps(m, src + n);
-      const __m512i u = _mm512_castps_si512(v);
-      __m512i t = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), one), bias);
-      t = _mm512_srli_epi32(_mm512_add_epi32(u, t), 16);
-      t = _mm512_mask_mov_epi32(t, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
-      _mm256_mask_storeu_epi16(dst + n, m, _mm512_cvtepi32_epi16(t));
-    }
-  }
+void round_block_bf16(const float* acc, at::BFloat16* out16, int64_t ld, int64_t r0, int64_t r1, int64_t n0,
+                      int64_t n1) {
+  for (int64_t r = r0; r < r1; ++r)
+    deepinfer_simd::narrow_bf16(acc + r * ld + n0, reinterpret_cast<uint16_t*>(out16 + r * ld + n0), n1 - n0);
 }
 
 // x bf16 [M, K], wt bf16 [G, N, K], both contiguous -> out fp32 [M, N] (rows in no group left as they are); with

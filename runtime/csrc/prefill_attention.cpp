@@ -229,24 +229,6 @@ inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
   }
 }
 
-// fp32 n values -> bf16, rounded to nearest even (NaN stays NaN), as c10::BFloat16 rounds.
-inline void narrow_bf16(const float* src, uint16_t* dst, int64_t n) {
-  int64_t i = 0;
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), qnan = _mm256_set1_epi32(0x7fc0);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(src + i);
-    __m256i b = _mm256_castps_si256(x);
-    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
-    b = _mm256_blendv_epi8(b, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-  }
-  for (; i < n; ++i) {
-    const c10::BFloat16 h(src[i]);
-    dst[i] = h.x;
-  }
-}
-
 // bf16 q, k, v where the CPU has bf16 dot products: the same tasks as the fp32 form, each product one at::mm over
 // bf16 views into per-thread buffers. A 2-core Zen 4 VM, one thread, against MKL's sgemm at the same shapes: 64
 // queries x 96 dims over 2048 keys 1.85x, the weighted sum over them 1.9x; over 256 keys 1.0-1.15x, where the
@@ -309,7 +291,7 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q_, const at::Tensor& k_, co
         if (hi[t] > lo[t]) {
           widen_bf16(scores.data() + r * n, row.data(), n);
           softmax_span(row.data(), n, lo[t] - c0, hi[t] - c0, s);
-          narrow_bf16(row.data(), pr, n);
+          deepinfer_simd::narrow_bf16(row.data(), pr, n);
         } else {
           std::fill(pr, pr + n, uint16_t{0});
         }

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace deepinfer_simd {
 
@@ -10,6 +11,26 @@ namespace deepinfer_simd {
 inline __m256 load_bf16(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// n fp32 values -> bf16, rounded to nearest even, NaN as 0xffff: bit for bit what at::Tensor::to's vectorised
+// conversion writes (the tail too).
+inline void narrow_bf16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), qnan = _mm256_set1_epi32(0xffff);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    __m256i b = _mm256_castps_si256(x);
+    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+    b = _mm256_blendv_epi8(b, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+  }
+  for (; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, src + i, 4);
+    dst[i] = (b & 0x7fffffffu) > 0x7f800000u ? uint16_t(0xffff) : uint16_t((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+  }
 }
 
 // The horizontal sum of one vector.
