@@ -27,8 +27,8 @@ computing them: transformers has no such cache). Same threads for everyone (torc
 take turns (this machine's speed drifts over minutes; turns expose all engines to the same drift). Ratios matter
 more than absolute numbers here.
 The roofline row is the best any engine could do on this machine (benchmarks/roofline.py): decode floored by
-reading the step's fp32 weights at the memory bandwidth (the better of a large copy and a large read), prefill by its FLOPs at the GEMM rate (or its weights,
-whichever is slower), both the best measured in the run (before and after each config); its "x HF" is the
+reading the step's fp32 weights at the memory bandwidth (the better of a large copy and a large read), prefill
+by its FLOPs at the GEMM rate (or its weights, whichever is slower), both the best measured in the run (before and after each config); its "x HF" is the
 largest ratio to transformers physically possible.
 With either row, a second roofline takes bf16 weights and the measured bf16 GEMM rate (or the fp32 rate
 where that is faster: on CPUs without bf16 dot products).

@@ -17,21 +17,26 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def best_time(dev: torch.device, fn, repeat: int) -> float:
+    """The shortest of `repeat` synchronised runs of fn(), after one untimed run."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        sync(dev)
+        t = time.perf_counter()
+        fn()
+        sync(dev)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 28, repeat: int = 5) -> float:
     """Bytes moved per second (read + write) by a large copy, best of `repeat`. The source is written first: an
     untouched CPU allocation reads as the kernel's shared zero page, which stays in cache: a copy from it measured
     0.9-1.6x the real figure at the same moments on the 2-core Zen 4 VM (43-54 against 31-49 GB/s)."""
     a = torch.ones(nbytes, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
-    b.copy_(a)
-    best = float("inf")
-    for _ in range(repeat):
-        sync(dev)
-        t = time.perf_counter()
-        b.copy_(a)
-        sync(dev)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+    return 2 * nbytes / best_time(dev, lambda: b.copy_(a), repeat)
 
 
 def read_bandwidth(dev: torch.device, nbytes: int = 1 << 28, repeat: int = 5) -> float:
@@ -39,30 +44,14 @@ def read_bandwidth(dev: torch.device, nbytes: int = 1 << 28, repeat: int = 5) ->
     its weights. On the 2-core Zen 4 VM both figures move between ~31 and ~60 GB/s from minute to minute, the two
     not always together."""
     a = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
-    a.sum()
-    best = float("inf")
-    for _ in range(repeat):
-        sync(dev)
-        t = time.perf_counter()
-        a.sum()
-        sync(dev)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    return nbytes / best_time(dev, a.sum, repeat)
 
 
 def gemm_flops(dev: torch.device, dtype: torch.dtype, n: int = 2048, repeat: int = 3) -> float:
     """Sustained FLOP/s of one large square matmul, best of `repeat`."""
     a = torch.randn(n, n, device=dev).to(dtype)
     b = torch.randn(n, n, device=dev).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(repeat):
-        sync(dev)
-        t = time.perf_counter()
-        a @ b
-        sync(dev)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    return 2 * n ** 3 / best_time(dev, lambda: a @ b, repeat)
 
 
 def _expert(m) -> int:

@@ -27,7 +27,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <vector>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
