@@ -5,6 +5,12 @@ import sys
 import traceback
 
 
+def shown(value) -> str:
+    """A client's value as an error message quotes it: one of hundreds of digits shortened."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
 class DeepinferError(Exception):
     """Base class: the CLI prints these as one line and exits with code 2."""
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..common.errors import ArtifactError, RequestError
+from ..common.errors import ArtifactError, RequestError, shown
 from ..common.manifest import Manifest
 from .artifact import Artifact, check_device, load_graph, load_weights, open_artifact, verify_files
 from .model_runner import ModelRunner, RegionTimer, build_inputs, logit_rows
@@ -47,6 +47,8 @@ class Engine:
         self.manifest = manifest
         self.runner = runner
         self.tokenizer = tokenizer
+        if tokenizer is not None:     # texts far past what the context holds are refused before tokenizing
+            tokenizer.context_limit = manifest.compile.context_limit
         self.followers = followers        # multi-rank: publish(StepInputs | None), check(), close()
         # torchrun ranks (a BroadcastChannel): the process group stays up until the process ends, and the
         # callers end the process without teardown once the outputs are out (`distributed.exit_without_teardown`)
@@ -196,28 +198,33 @@ class Engine:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if params.max_tokens < 1:
-            raise RequestError(f"max_tokens={params.max_tokens} must be at least 1")
-        if len(prompt_ids) + params.max_tokens > limit:     # before the id scan: a huge prompt costs nothing
-            raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                               f"{len(prompt_ids) + params.max_tokens} exceeds the compiled context limit {limit}")
+            raise RequestError(f"max_tokens={shown(params.max_tokens)} must be at least 1")
+        # Every token but the last takes a KV slot, so a request for one token may fill the context with its prompt
+        # (the server scores a prompt, echo with max_tokens 0, as one token it does not return).
+        if params.max_tokens == 1 and len(prompt_ids) > limit:     # before the id scan: a huge prompt costs nothing
+            raise RequestError(f"the prompt ({len(prompt_ids)} tokens) exceeds the compiled context limit {limit}")
+        if params.max_tokens > 1 and len(prompt_ids) + params.max_tokens > limit:
+            raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({shown(params.max_tokens)}) = "
+                               f"{shown(len(prompt_ids) + params.max_tokens)} exceeds the compiled context limit "
+                               f"{limit}")
         bad = next((t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         if params.seed is not None and not -(2 ** 63) <= params.seed < 2 ** 63:
-            raise RequestError(f"seed={params.seed} must be a 64-bit signed integer")
+            raise RequestError(f"seed={shown(params.seed)} must be a 64-bit signed integer")
         if not (math.isfinite(params.temperature) and 0 <= params.temperature <= MAX_TEMPERATURE):
             raise RequestError(f"temperature={params.temperature} must be between 0 and {MAX_TEMPERATURE:g} (the "
                                f"sampler divides float32 logits by it)")
         if not 0 < params.top_p <= 1:
             raise RequestError(f"top_p={params.top_p} must be in (0, 1]")
         if params.top_k < 0:
-            raise RequestError(f"top_k={params.top_k} must be >= 0 (0 = off)")
+            raise RequestError(f"top_k={shown(params.top_k)} must be >= 0 (0 = off)")
         if params.logprobs is not None and not 0 <= params.logprobs <= vocab:
-            raise RequestError(f"logprobs={params.logprobs} must be between 0 and the vocabulary size {vocab}")
+            raise RequestError(f"logprobs={shown(params.logprobs)} must be between 0 and the vocabulary size {vocab}")
         if params.prompt_logprobs is not None:
             if not 0 <= params.prompt_logprobs <= vocab:
-                raise RequestError(f"prompt_logprobs={params.prompt_logprobs} must be between 0 and the vocabulary "
-                                   f"size {vocab}")
+                raise RequestError(f"prompt_logprobs={shown(params.prompt_logprobs)} must be between 0 and the "
+                                   f"vocabulary size {vocab}")
             if not self.has_prompt_logprobs:
                 raise RequestError("prompt logprobs (echo with logprobs): this artifact was compiled without the "
                                    "prefill heads they need; compile it again with this deepinfer")
@@ -237,8 +244,8 @@ class Engine:
         if len({t for t, _ in params.logit_bias}) < len(params.logit_bias):
             raise RequestError("logit_bias names a token id more than once")
         if not 0 <= params.min_tokens <= params.max_tokens:
-            raise RequestError(f"min_tokens={params.min_tokens} must be between 0 and max_tokens "
-                               f"({params.max_tokens})")
+            raise RequestError(f"min_tokens={shown(params.min_tokens)} must be between 0 and max_tokens "
+                               f"({shown(params.max_tokens)})")
         for t, b in params.logit_bias:
             if not (isinstance(t, int) and 0 <= t < vocab):
                 raise RequestError(f"logit_bias token id {t!r} is outside the vocabulary [0, {vocab})")
@@ -467,8 +474,10 @@ class Engine:
         cut = False
         if seq.constraint is not None:
             seq.constraint.consume(tok)
-            if seq.constraint.error:
-                log.warning("request %d: structured output stopped: %s", seq.seq_id, seq.constraint.error)
+            if seq.constraint.error:       # the output so far may break the constraint: it fails, not stops
+                seq.failure = (f"the structured output failed after {len(seq.output_ids)} tokens: "
+                               f"{seq.constraint.error}")
+                log.warning("request %d: %s", seq.seq_id, seq.failure)
         if stop_token or (seq.constraint is not None and seq.constraint.done):
             reason = "stop"
         elif seq.params.stop and det is not None and not early:

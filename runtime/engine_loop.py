@@ -228,6 +228,10 @@ class EngineLoop:
             if s is None:
                 continue
             seq = out.seq
+            if out.finished and seq.failure is not None:     # a broken grammar: an error instead of its output
+                s.push(RequestError(seq.failure))
+                del self._streams[seq.seq_id]
+                continue
             # one event a token (a verified draft gives several a step), each with the text as of that token
             s.push(TokenEvent(token_id=out.new_token_ids[-1], text=out.text,
                               logprob=seq.token_logprobs[out.index], top_logprobs=seq.output_logprobs[out.index],

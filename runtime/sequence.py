@@ -80,6 +80,7 @@ class Sequence:
     _keys: list = field(default_factory=list, repr=False)   # prefix-cache keys of the leading full blocks
     cache_match: tuple | None = field(default=None, repr=False)   # BlockManager.match's memo
     constraint: object | None = field(default=None, repr=False)   # structured.Constraint of params.structure
+    failure: str | None = None        # why it ended in failure (its grammar broke): an error, not its text
     draft_ids: list[int] = field(default_factory=list)   # speculative tokens after the last one, for one step
     draft_hits: int = 0               # draft tokens accepted, and draft tokens verified up to each first rejection
     draft_trials: int = 0

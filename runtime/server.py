@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import secrets
 import signal
 import time
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from ..common.errors import CapacityError, RankFailure, RequestError
+from ..common.errors import CapacityError, RankFailure, RequestError, shown
 from .engine import Engine, freeze_loaded_objects
 from .engine_loop import EngineLoop, RequestAborted, Stream, TokenEvent
 from .metrics import Metrics
@@ -45,6 +46,9 @@ class BodyTooLarge(Exception):
 
 
 def _err(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    # a message quoting what a client sent may hold a lone surrogate, which UTF-8 cannot encode: escaped, so that
+    # the 4xx goes out instead of a 500 from the response's encoding
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse(error_body(message, type_, status, param), status_code=status)
 
 
@@ -268,6 +272,8 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
             raise RequestError("the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
+        if SURROGATE_ESCAPE.search(raw):     # only an escape can put a UTF-16 surrogate in a parsed string
+            _refuse_lone_surrogates(body)
         return body
 
     def _no_constant(name: str):
@@ -297,15 +303,16 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
             raise RequestError(f"model '{req.model}' is not served here (this server serves "
                                f"{', '.join(repr(n) for n in names)})")
         if not 1 <= req.n <= MAX_N:
-            raise RequestError(f"field 'n'={req.n} must be between 1 and {MAX_N}")
+            raise RequestError(f"field 'n'={shown(req.n)} must be between 1 and {MAX_N}")
         if req.best_of is not None and req.best_of != req.n:
-            raise RequestError(f"field 'best_of'={req.best_of} is not supported (only equal to n)")
+            raise RequestError(f"field 'best_of'={shown(req.best_of)} is not supported (only equal to n)")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise RequestError(f"field 'logprobs'={req.logprobs} must be between 0 and {MAX_LOGPROBS}")
+            raise RequestError(f"field 'logprobs'={shown(req.logprobs)} must be between 0 and {MAX_LOGPROBS}")
         if req.top_k < -1:
-            raise RequestError(f"field 'top_k'={req.top_k} must be -1 (off) or positive")
+            raise RequestError(f"field 'top_k'={shown(req.top_k)} must be -1 (off) or positive")
         if req.seed is not None and not (INT64[0] <= req.seed and req.seed + req.n - 1 <= INT64[1]):
-            raise RequestError(f"field 'seed'={req.seed} must be a 64-bit signed integer (seed + n - 1 included)")
+            raise RequestError(f"field 'seed'={shown(req.seed)} must be a 64-bit signed integer (seed + n - 1 "
+                               f"included)")
         if req.stream_options is not None and not req.stream:
             raise RequestError("field 'stream_options' is only allowed with 'stream': true")
         if req.stop and tok is None:
@@ -323,8 +330,8 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         if max_tokens == 0 and _scoring(req):
             max_tokens = 1       # the prompt's logits are all computed anyway; the one token is not returned
         if max_tokens < 1:
-            raise RequestError(f"field 'max_tokens'={max_tokens} must be at least 1 (0 only with 'echo': the prompt "
-                               f"scored, nothing generated)")
+            raise RequestError(f"field 'max_tokens'={shown(max_tokens)} must be at least 1 (0 only with 'echo': the "
+                               f"prompt scored, nothing generated)")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if any(s == "" for s in stop):
             raise RequestError("field 'stop': stop strings must not be empty")
@@ -379,7 +386,7 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
             s = tok.token_str(ev.token_id) if tok is not None else str(ev.token_id)
             tokens.append(s)
             lps.append(ev.logprob)
-            tops.append(_by_string(ev.top_logprobs, tok))
+            tops.append(_by_string(_with_chosen(ev.top_logprobs, ev.token_id, ev.logprob), tok))
             offs.append(off)
             off += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
@@ -531,7 +538,9 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
             while remaining:
                 i, ev = await merged.get()
                 if isinstance(ev, BaseException):
-                    yield "data: " + json.dumps(error_body(f"generation failed: {ev}", "server_error", 500)) + "\n\n"
+                    err = error_body(str(ev), "invalid_request_error", 400) if isinstance(ev, RequestError) else \
+                        error_body(f"generation failed: {ev}", "server_error", 500)
+                    yield "data: " + json.dumps(err) + "\n\n"
                     remaining -= 1
                     continue
                 ntok[i] += 1
@@ -584,7 +593,8 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         for t in tokens:
             offs.append(off)
             off += len(t)
-        tops = [None] + [_by_string(top, tok) for top in seq.prompt_top_logprobs]
+        tops = [None] + [_by_string(_with_chosen(top, t, lp), tok) for top, t, lp in
+                         zip(seq.prompt_top_logprobs, seq.prompt_ids[1:], seq.prompt_token_logprobs)]
         return {"tokens": tokens, "token_logprobs": [None] + list(seq.prompt_token_logprobs), "top_logprobs": tops,
                 "text_offset": offs}
 
@@ -716,6 +726,34 @@ class ToolMode:
     single: bool = False       # parallel_tool_calls false: at most one call
 
 
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(body: dict) -> None:
+    """A 400 naming the first string (or key) of the body that holds a lone UTF-16 surrogate: JSON's escapes allow
+    one ("\\ud800"), UTF-8 text does not, and every string here ends up encoded (tokenized, compiled into a grammar,
+    quoted in a message)."""
+    stack: list[tuple[tuple, object]] = [((), body)]
+    while stack:
+        loc, value = stack.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, loc, " (a key)")
+                stack.append((loc + (k,), v))
+        elif isinstance(value, list):
+            stack.extend((loc + (i,), v) for i, v in enumerate(value) if isinstance(v, (str, dict, list)))
+        elif isinstance(value, str):
+            _check_text(value, loc, "")
+
+
+def _check_text(text: str, loc: tuple, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"field '{_field(loc)}'{what}: the text is not valid Unicode ({e.reason} at position "
+                           f"{e.start})") from None
+
+
 def _scoring(req) -> bool:
     """echo with max_tokens 0: the prompt comes back (with its logprobs), nothing is generated."""
     return bool(getattr(req, "echo", False)) and req.max_tokens == 0
@@ -730,6 +768,12 @@ def _by_string(top: dict[int, float], tok) -> dict[str, float]:
     return out
 
 
+def _with_chosen(top: dict[int, float], token: int, logprob: float) -> dict[int, float]:
+    """A position's top logprobs with its own token's among them, as OpenAI's legacy shape always has it ("up to
+    logprobs + 1 elements") and vLLM's completions give it: after the top ones where it is not one of them."""
+    return top if token in top else {**top, token: logprob}
+
+
 def _join_blocks(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in a}
 
@@ -739,7 +783,7 @@ def _number(name: str, value) -> float:
     try:
         return float(value)
     except OverflowError:
-        raise RequestError(f"field '{name}'={value} is out of range") from None
+        raise RequestError(f"field '{name}'={shown(value)} is out of range") from None
 
 
 def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:

@@ -55,7 +55,9 @@ def grammar_of(kind: str, spec) -> str:
     if kind == "choice":
         if not (isinstance(spec, list) and spec and all(isinstance(c, str) and c for c in spec)):
             raise RequestError("a choice constraint must be a non-empty list of non-empty strings")
-        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+        # one lexer terminal of the alternatives (a DFA), not one parser rule: as a rule, the parser's row holds an
+        # item per choice, and past llguidance's 2000 the matcher failed mid-generation (2500 choices)
+        return M.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in spec))
     if kind == "grammar":
         if not isinstance(spec, str) or not spec.strip():
             raise RequestError("a grammar constraint must be a non-empty Lark grammar")
@@ -93,6 +95,16 @@ class Grammars:
         m = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise RequestError(f"structured output: {_one_line(m.get_error())}")
+        # The first token's mask, now: a grammar that fails at its first step (one past llguidance's limits, such
+        # as 2000 items in a parser row: a choice of thousands of strings) or admits no text at all (a rule that
+        # only refers to itself) is refused with the request, instead of ending its generation with nothing
+        first = np.frombuffer(m.compute_bitmask(), dtype=np.uint8).any()
+        if m.is_error() or not first:
+            err = m.get_error() if m.is_error() else ""
+            # (llguidance's error for a grammar no token can begin, "NoExtensionBias", dumps its parser's state)
+            why = _one_line(err) if err and not err.startswith("NoExtensionBias") else \
+                "the constraint admits no text at all"
+            raise RequestError(f"structured output: {why}")
         return Constraint(m, self.vocab_size, self.tokenizer.eos_tokens)
 
 
@@ -128,7 +140,7 @@ class Constraint:
 
     @property
     def error(self) -> str:
-        """Why the matcher failed ("" if it has not): it then admits nothing and the sequence stops."""
+        """Why the matcher failed ("" if it has not): it then admits nothing, and the sequence fails (Engine)."""
         return self.matcher.get_error() if self.matcher.is_error() else ""
 
     @property

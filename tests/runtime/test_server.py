@@ -171,6 +171,12 @@ def test_served_greedy_equals_offline_run_also_under_32_concurrent(server):
     ({"prompt": "x", "stop": 5}, "field 'stop': Input should be a valid string, or a valid list"),  # was 'stop.str'
     ({"prompt": [1, "a"]}, "field 'prompt': Input should be one of: str, list[int]"),
     ({"prompt": "x", "n": 2, "temperature": -1}, "temperature=-1.0 must be between 0"),
+    ({"prompt": "x", "n": 10 ** 300}, "field 'n'=10000000000000000000...(301 characters)"),   # not 301 digits
+    ({"prompt": "x", "guided_grammar": "start: a\na: a"}, "admits no text at all"),     # no token can begin it
+    ({"prompt": "x", "guided_json": {"$ref": "#"}}, "admits no text at all"),
+    ({"prompt": [5] * 129, "max_tokens": 0, "echo": True, "logprobs": 0}, "the prompt (129 tokens) exceeds"),
+    # refused from its length in bytes, before a tokenizer spends seconds and gigabytes on it
+    ({"prompt": "h\u00e9llo w\u00f6rld " * 100_000}, "far more than the compiled context limit of 128 tokens"),
 ])
 def test_bad_requests_get_openai_errors(server, body, fragment):
     r = post(server, body)
@@ -367,7 +373,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, checkpoint
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(prompt) + 1
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][1:-1] == pytest.approx(want, abs=1e-4)
-    assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
+    # each position's top logprobs hold the best token and the position's own (OpenAI's "logprobs + 1")
+    for i, top in enumerate(lp["top_logprobs"][1:], 1):
+        assert 1 <= len(top) <= 2 and top[lp["tokens"][i]] >= lp["token_logprobs"][i] - 1e-6
     assert lp["text_offset"] == sorted(lp["text_offset"])      # monotonic from the prompt into the output
     assert r["usage"]["completion_tokens"] == 1
     scored = post(server, dict(body, max_tokens=0)).json()
@@ -384,6 +392,40 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, checkpoint
     assert len(chunks) == 4 and chunks[1]["choices"][0]["logprobs"]["text_offset"] == [
         head["text_offset"][-1] + len(head["tokens"][-1])]      # offsets go on from the prompt's tokens
     assert post(server, {"prompt": "x", "max_tokens": 0}).status_code == 400       # 0 only with echo
+
+
+def test_scoring_a_prompt_that_fills_the_context_and_logprobs_0_give_the_chosen_token(server):
+    """echo with max_tokens 0 scores a prompt of the whole compiled context (its one internal token needs no KV
+    slot); logprobs 0 gives each token's own logprob and nothing else, as OpenAI's legacy shape."""
+    prompt = [(7 * j) % 300 + 2 for j in range(128)]
+    r = post(server, {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == 128 and all(x is not None for x in lp["token_logprobs"][1:])
+    assert post(server, dict(prompt=prompt[:100], max_tokens=0, echo=True, logprobs=0)).json()["choices"][0][
+        "logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"][:100], abs=1e-4)
+    gen = post(server, {"prompt": "Hello", "max_tokens": 4, "temperature": 1, "seed": 5, "logprobs": 0}).json()
+    g = gen["choices"][0]["logprobs"]
+    assert g["top_logprobs"] == [{t: v} for t, v in zip(g["tokens"], g["token_logprobs"])]
+
+
+def test_a_grammar_that_breaks_mid_generation_is_an_error_not_a_stop(server):
+    """A grammar past llguidance's parser limits (2000 items in a row) after its first token: the request gets a
+    400 naming the failure (streamed: an error event), not finish_reason 'stop' with text that breaks it; a choice
+    of 2500 strings (one lexer terminal) works."""
+    rule = " | ".join(f'"w{i}"' for i in range(2500))
+    body = {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "guided_grammar": f'start: "x" c\nc: {rule}'}
+    r = post(server, body)
+    assert r.status_code == 400 and "structured output failed after 1 tokens" in r.json()["error"]["message"], r.text
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=dict(body, stream=True),
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as resp:
+        events = [e for e in "".join(resp.iter_text()).split("\n\n") if e]
+    err = json.loads(events[-2][6:])["error"]
+    assert err["code"] == 400 and "failed after" in err["message"] and events[-1] == "data: [DONE]"
+    choices = [f"w{i}" for i in range(2500)]
+    c = post(server, {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "guided_choice": choices}).json()
+    assert c["choices"][0]["text"] in choices and c["choices"][0]["finish_reason"] == "stop"
+    assert post(server, {"prompt": "Hello", "max_tokens": 4}).status_code == 200
 
 
 def test_structured_outputs_follow_their_schema_over_both_endpoints(server):
@@ -647,6 +689,11 @@ def test_non_streaming_disconnect_aborts_too(server):
     ('{"prompt": "x", "top_p": 1e309}', "top_p"),
     ('{"prompt": "x",', "not valid JSON"),
     ('{"prompt": "ab\\ud800c"}', "not valid Unicode"),          # a lone surrogate: valid JSON, invalid text
+    # in any field or key (a message quoting one could not be encoded: a 500; llguidance raised on a regex's)
+    ('{"prompt": "x", "model": "\\ud800"}', "field 'model': the text is not valid Unicode"),
+    ('{"prompt": "x", "guided_regex": "a\\uDBFF"}', "field 'guided_regex': the text is not valid Unicode"),
+    ('{"prompt": "x", "structured_outputs": {"\\ud800": 1}}', "field 'structured_outputs' (a key)"),
+    ('{"prompt": "x", "stop": ["ok", "\\udc00"]}', "field 'stop[1]'"),
     ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
 ])
 def test_non_finite_numbers_and_broken_json_are_400s(server, raw, fragment):
