@@ -14,7 +14,19 @@ from pathlib import Path
 
 import click
 
-from .common.errors import exit_on_error
+from .common.errors import OptionError, exit_on_error
+
+
+class _Command(click.Command):
+    """A command whose flag errors are one line and exit code 2, as its other errors are (click's own print the
+    usage, a hint and a blank line first)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            click.echo(f"error: {e.format_message()}", err=True)
+            sys.exit(2)
 
 
 def _buckets(ctx, param, value):
@@ -48,7 +60,7 @@ def _env_int(name: str) -> int | None:
 
 
 # -- deepinfer-compile ----------------------------------------------------------------------------------
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", type=click.Path(path_type=Path), default=None,
               help="Hugging Face checkpoint directory (default: the embedded demo model). With --shape-only, a "
                    "config.json or a directory holding one.")
@@ -99,7 +111,8 @@ def _env_int(name: str) -> int | None:
 @click.option("--neuron-target", type=click.Choice(["trn1", "trn2", "inf2"]), default=None)
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Compile cache (env DEEPINFER_CACHE, default ~/.cache/deepinfer).")
-@click.option("--jobs", type=int, default=None, help="Graphs compiled in parallel (default: CPU count).")
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="Graphs compiled in parallel (default: CPU count).")
 @click.option("--keep-going", is_flag=True, help="Report every failing graph instead of stopping at the first.")
 @click.option("--region-marks", is_flag=True,
               help="A profiling build: timing points between each layer's parts, so that DEEPINFER_REGION_TIMING "
@@ -135,6 +148,8 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
     for lock in (update_lock, check_lock):     # a bad lock file is said before the compile, not after it
         if lock is not None:
             read_lock(lock)
+    if check_lock is not None and not check_lock.is_file():   # it could only end in "no lock entry"
+        raise OptionError(f"--check-lock {check_lock}: no such lock file (--update-lock writes one)")
     report = compile_artifact(opts, log=lambda s: click.echo(s, err=True))
     if update_lock is not None:
         from .compile.lock import update_lock as write_lock
@@ -154,7 +169,7 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
 
 
 # -- deepinfer-run --------------------------------------------------------------------------------------
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifacts", type=click.Path(path_type=Path), default=Path("artifacts"))
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable). Without prompts: serve HTTP.")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt as comma-separated token ids (repeatable).")
@@ -297,7 +312,7 @@ def _torchrun() -> tuple[int, int] | None:
 
 
 # -- deepinfer-inspect ----------------------------------------------------------------------------------
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifacts", type=click.Path(path_type=Path), default=Path("artifacts"))
 @_errors
 def inspect_main(artifacts):
@@ -311,7 +326,7 @@ def bench_main():
     main()
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifacts", type=click.Path(path_type=Path))
 @click.option("--graph", "graphs", multiple=True, help="Finish only these graphs (repeatable).")
 @_errors

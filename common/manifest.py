@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from . import serde
 from .errors import ArtifactError
@@ -216,13 +216,45 @@ class Manifest:
     def loads(cls, text: str, where: str = MANIFEST_FILE) -> "Manifest":
         import json
         try:
-            version = json.loads(text).get("schema_version")
-        except (ValueError, AttributeError):
-            raise ArtifactError(f"{where}: not a JSON object") from None
+            data = json.loads(text)
+        except ValueError as e:        # (a JSONDecodeError, or an integer past int()'s 4300 digits)
+            raise ArtifactError(f"{where}: not valid JSON ({e}); the manifest is damaged") from None
+        except RecursionError:
+            raise ArtifactError(f"{where}: nested too deeply to be a manifest; the manifest is damaged") from None
+        if not isinstance(data, dict):
+            raise ArtifactError(f"{where}: not a JSON object; the manifest is damaged")
+        version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ArtifactError(f"{where}: schema_version={version!r}, this deepinfer reads {SCHEMA_VERSION}; "
                                 f"recompile the artifact")
-        return serde.loads(cls, text, where)
+        m = serde.loads(cls, text, where)
+        m._check(where)
+        return m
+
+    def _check(self, where: str) -> None:
+        """What the types leave open and the runtime relies on (a manifest edited with its hashes rewritten): sizes
+        that divide or index, known dtypes, and files inside the artifact."""
+        c = self.compile
+
+        def bad(what: str) -> ArtifactError:
+            return ArtifactError(f"{where}: {what}; the manifest is damaged")
+        for name in ("dtype", "weight_dtype", "matmul_dtype"):
+            if getattr(c, name) not in (("float32", "bfloat16") if name == "dtype" else (None, "float32", "bfloat16")):
+                raise bad(f"compile.{name}={getattr(c, name)!r} is not float32 or bfloat16")
+        for name in ("cp", "ep", "block_size", "num_kv_blocks", "context_limit"):
+            if getattr(c, name) < 1:
+                raise bad(f"compile.{name}={getattr(c, name)} must be at least 1")
+        for name in ("decode_buckets", "prefill_buckets", "context_buckets"):
+            b = getattr(c, name)
+            if (not b and name != "prefill_buckets") or any(x < 1 for x in b) or list(b) != sorted(set(b)):
+                raise bad(f"compile.{name}={list(b)} must be distinct positive sizes in increasing order")
+        if c.context_buckets[-1] != c.context_limit:
+            raise bad(f"compile.context_limit={c.context_limit} is not the last context bucket "
+                      f"{c.context_buckets[-1]}")
+        for rel in [g.file for g in self.graphs] + [w.path for w in self.weights] + [t.path for t in self.tokenizer]:
+            p = PurePosixPath(rel)
+            if p.is_absolute() or ".." in p.parts or "\\" in rel:
+                raise bad(f"file {rel!r} is not inside the artifact")
 
     @classmethod
     def read(cls, artifact_dir: str | Path) -> "Manifest":

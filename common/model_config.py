@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, shown
 
 
 @dataclass(frozen=True)
@@ -148,10 +148,12 @@ class ModelConfig:
             cfg = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such file (a checkpoint directory needs config.json)") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except ValueError as e:        # (a JSONDecodeError, or an integer past int()'s 4300 digits)
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to be a config") from None
         except OSError as e:
             raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
         if not isinstance(cfg, dict):
@@ -193,7 +195,9 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelConfig:
                 raise ConfigError(f"{source}: field '{name}'={v!r} must be a finite number")
             return float(v)
         if kind is int and isinstance(v, bool) or not isinstance(v, kind):
-            raise ConfigError(f"{source}: field '{name}'={v!r} must be {kind.__name__}")
+            raise ConfigError(f"{source}: field '{name}'={shown(repr(v))} must be {kind.__name__}")
+        if kind is int and not -2 ** 53 <= v <= 2 ** 53:      # every size is multiplied into float byte counts
+            raise ConfigError(f"{source}: field '{name}'={shown(v)} is out of range")
         return v
 
     model_type = cfg.get("model_type")

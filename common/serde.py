@@ -71,6 +71,8 @@ def from_jsonable(tp: Any, data: Any, where: str) -> Any:
 def loads(tp: Any, text: str, where: str) -> Any:
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:            # (a JSONDecodeError, or an integer past int()'s 4300 digits)
         raise ArtifactError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ArtifactError(f"{where}: nested too deeply") from None
     return from_jsonable(tp, data, where)

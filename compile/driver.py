@@ -57,8 +57,14 @@ def _check_tokenizer(ck: Checkpoint) -> list[str]:
     """Load the tokenizer as the runtime will: one it cannot read fails the compile instead of every start of the
     artifact. Returns notes: tokens past the model's vocabulary (fine-tunes that added tokens without growing
     the embedding) are only refused in the prompts that hold them, as the runtime does."""
-    from ..runtime.tokenizer import Tokenizer
+    from ..runtime.tokenizer import Tokenizer, generation_eos_ids
     path, cfg = ck.path / "tokenizer.json", ck.path / "tokenizer_config.json"
+    gen = ck.path / "generation_config.json"      # copied into the artifact too, and read at every start
+    if gen.is_file():
+        try:
+            generation_eos_ids(gen)
+        except DeepinferError as e:
+            raise CheckpointError(str(e)) from None
     if not path.is_file():
         return []
     try:

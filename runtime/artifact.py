@@ -6,6 +6,7 @@ import mmap
 import os
 import platform
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -56,6 +57,8 @@ def check_device(manifest: Manifest, device: str, ranks_here: int = 1) -> None:
     except (RuntimeError, ValueError):
         raise OptionError(f"--device {device!r} is not a device (cpu, cuda or cuda:N)") from None
     allowed = _DEVICES.get(backend, ("cpu", "cuda"))
+    if dev.type == "cpu" and dev.index not in (None, 0):     # torch parses it; nothing loads onto it
+        raise OptionError(f"--device {device}: the CPU is one device, 'cpu' (its threads: --threads)")
     if dev.type not in allowed:
         hint = {"cpu": "compile with --backend cuda for a GPU", "neuron": "its graphs run on NeuronCores"}.get(
             backend, "")
@@ -115,10 +118,17 @@ def load_graph(art: Artifact, g: GraphEntry, device: torch.device, rank: int = 0
     if device.type == "cpu":
         from . import cpu_kernels
         cpu_kernels.available()          # build or load the CPU kernels now, not in the first request
-    if backend == "cpu":
-        return _FlatAOTI(_load_aoti(path), [w.key for w in g.weights])
-    if backend == "eager":
-        return torch.export.load(path).module()
+    if backend in ("cpu", "eager"):
+        try:
+            if backend == "cpu":
+                return _FlatAOTI(_load_aoti(path), [w.key for w in g.weights])
+            return torch.export.load(path).module()
+        except ArtifactError as e:
+            raise ArtifactError(f"graph {g.name}: {e}") from None
+        except (RuntimeError, ValueError, OSError, zipfile.BadZipFile) as e:   # not a package at all
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ArtifactError(f"graph {g.name} ({g.file}) cannot be loaded ({why}); the artifact is damaged") \
+                from None
     if backend == "cuda":
         # Compiled at load: AOTInductor packages were seen to segfault on load with torch 2.11 + CUDA 13,
         # torch.compile of the exported program works there (in-place KV writes included). On a CPU device
@@ -209,9 +219,15 @@ class _FlatAOTI:
         def kids(spec):       # torch >= 2.12 has children(); 2.11 only children_specs
             return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
         traced_keys = kids(kids(in_spec)[0])[-1].context
-        if list(traced_keys) != weight_keys:
-            raise ArtifactError(f"graph weight order {list(traced_keys)[:3]}… differs from the manifest's "
-                                f"{weight_keys[:3]}…")
+        traced = list(traced_keys)
+        if traced != weight_keys:
+            at = next((i for i, (a, b) in enumerate(zip(traced, weight_keys)) if a != b),
+                      min(len(traced), len(weight_keys)))
+            theirs = traced[at] if at < len(traced) else "nothing"
+            ours = weight_keys[at] if at < len(weight_keys) else "nothing"
+            raise ArtifactError(f"the compiled graph takes {len(traced)} weights and the manifest lists "
+                                f"{len(weight_keys)}: weight {at} is {theirs!r} in the graph, {ours!r} in the manifest "
+                                f"(a graph file of another graph?)")
 
     def __call__(self, *args):
         *step, weights = args
@@ -224,7 +240,15 @@ def load_weights(art: Artifact, rank: int, device: torch.device) -> dict[str, to
     if shard is None:
         raise ArtifactError(f"{art.root}: the manifest has no weight shard for rank {rank} "
                             f"(a shape-only artifact cannot run)")
-    weights = load_file(str(art.file(shard.path)), device=str(device))
+    path = art.file(shard.path)
+    try:
+        weights = load_file(str(path), device=str(device))
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{path}: cannot be read ({e})") from None
+    except Exception as e:             # safetensors' SafetensorError: not a safetensors file
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ArtifactError(f"{path}: not a readable safetensors file ({e}); the artifact is damaged") from None
     if device.type == "cpu" and os.environ.get(HUGE_PAGES_ENV, "1") != "0":
         weights = _into_huge_page_arena(weights)
     return weights

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..common.manifest import Manifest
+from .artifact import open_artifact
 
 
 def _size(n: int) -> str:
@@ -15,7 +15,9 @@ def _size(n: int) -> str:
 
 
 def describe(root: str | Path) -> str:
-    m = Manifest.read(root)
+    # the root hash too (not the files, nor the toolchain: inspecting another machine's artifact is fine): an
+    # edited manifest is said to be one, not described, or half described before a crash on what the edit broke
+    m = open_artifact(root, verify=False, check_toolchain=False).manifest
     cc, mc, tc = m.compile, m.model, m.toolchain
     out = [f"artifact   {root}  (schema {m.schema_version}, root hash {m.root_hash})",
            f"model      {m.name}: {mc.num_hidden_layers} layers ({mc.num_hidden_layers - mc.num_moe_layers} dense), hidden "

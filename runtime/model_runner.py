@@ -217,6 +217,21 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
 
 
+def _weight(weights: dict[str, torch.Tensor], w, layer: int, graph: str) -> torch.Tensor:
+    """Layer `layer`'s tensor for a graph's weight argument `w` (a manifest WeightArg), as the manifest lists it: a
+    shard whose tensors differ (its hash rewritten with it) fails here, not as a crash or wrong output."""
+    name = w.source.format(layer=layer)
+    t = weights.get(name)
+    if t is None:
+        raise ArtifactError(f"the weight shard has no tensor {name!r}, which graph {graph} takes as {w.key!r}; "
+                            f"the artifact is damaged")
+    dtype = str(t.dtype).removeprefix("torch.")
+    if tuple(t.shape) != tuple(w.shape) or dtype != w.dtype:
+        raise ArtifactError(f"weight {name!r} is {list(t.shape)} {dtype} in the shard, {list(w.shape)} {w.dtype} "
+                            f"in the manifest; the artifact is damaged")
+    return t
+
+
 class ModelRunner:
     """One rank's graphs, weights and KV pool. `graphs` maps graph names to callables."""
 
@@ -250,7 +265,7 @@ class ModelRunner:
             g = next((e for e in entries.values() if e.region == region), None)
             if g is not None:
                 self.layer_weights[region] = {
-                    i: {w.key: weights[w.source.format(layer=i)] for w in g.weights} for i in layers}
+                    i: {w.key: _weight(weights, w, i, g.name) for w in g.weights} for i in layers}
         self.dense_layers = [i for i in range(self.num_layers) if not m.is_moe_layer(i)]
         self.step_graphs = None              # CUDA: whole steps replayed as CUDA graphs (cuda_graphs.py)
         for name, fn in graphs.items():      # backends whose graphs hold weights as device state (Neuron)

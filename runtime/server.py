@@ -10,6 +10,7 @@ import logging
 import re
 import secrets
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from ..common.errors import CapacityError, RankFailure, RequestError, shown
+from ..common.errors import CapacityError, OptionError, RankFailure, RequestError, shown
 from .engine import Engine, freeze_loaded_objects
 from .engine_loop import EngineLoop, RequestAborted, Stream, TokenEvent
 from .metrics import Metrics
@@ -790,6 +791,23 @@ def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
     return dataclasses.replace(p, seed=seed)
 
 
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to --host and --port (OptionError naming them if it cannot be)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise OptionError(f"--host {host!r}: {getattr(e, 'strerror', None) or e}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn binds: a restart reuses the port
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OptionError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    return sock
+
+
 def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           device: str = "cpu", max_waiting: int = 256, timing: bool = False,
           torchrun: tuple[int, int] | None = None, max_prefill_streak: int = 4, warmup: bool = False,
@@ -805,10 +823,15 @@ def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_
                 self.force_exit = True
             self.should_exit = True
 
+    # the port first: a taken port or an unknown host fails at once, naming the flag, not after minutes of loading
+    # (and uvicorn's own failure to bind was three lines and exit code 3 after "serving ... on")
+    sock = _listen_socket(host, port) if torchrun is None or torchrun[0] == 0 else None
     engine = Engine.from_artifact(artifacts, device=device, timing=timing, max_waiting=max_waiting,
                                   max_prefill_streak=max_prefill_streak, torchrun=torchrun,
                                   prefix_caching=prefix_caching, **(speculative or {}))
     if engine is None:      # a torchrun follower rank
+        if sock is not None:
+            sock.close()
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if warmup:              # before the port opens: /health answers once every shape has run
@@ -834,7 +857,7 @@ def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, api_
              " (API key required on /v1)" if api_key else "")
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30))
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         loop.stop()
         engine.close()

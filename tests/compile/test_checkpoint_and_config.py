@@ -7,6 +7,8 @@ import dataclasses
 import copy
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,12 @@ def test_absent_optional_fields_read_as_transformers_reads_them():
 
 
 def test_unreadable_config_file_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("[" * 100_000)
+    with pytest.raises(ConfigError, match="config.json: nested too deeply"):      # was a RecursionError
+        ModelConfig.from_file(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text(json.dumps(dict(V3_671B, vocab_size=10 ** 400)))
+    with pytest.raises(ConfigError, match=r"'vocab_size'=10000000000000000000\.\.\.\(401 characters\) is out of range"):
+        ModelConfig.from_file(tmp_path / "config.json")     # was an OverflowError in the memory plan
     (tmp_path / "config.json").write_bytes(b'{"vocab_size": "\xd0\x00"}')
     with pytest.raises(ConfigError, match="config.json: not UTF-8 text"):
         ModelConfig.from_file(tmp_path / "config.json")
@@ -263,6 +271,10 @@ def test_tokenizer_is_loaded_at_compile(checkpoints, tmp_path):
     with pytest.raises(CheckpointError, match="tokenizer_config.json: not a valid JSON object"):
         load_model(opts)
     (ck / "tokenizer_config.json").unlink()
+    (ck / "generation_config.json").write_text("garbage")      # read at every start of the artifact
+    with pytest.raises(CheckpointError, match="generation_config.json: not a readable JSON file"):
+        load_model(opts)
+    (ck / "generation_config.json").unlink()
     cfg = json.loads((ck / "config.json").read_text())
     (ck / "config.json").write_text(json.dumps(dict(cfg, vocab_size=200)))
     _edit_tensors(ck, lambda t: t.update({k: t[k][:200].clone() for k in ("model.embed_tokens.weight",
@@ -528,3 +540,19 @@ def test_inspect_describes_the_artifact(checkpoints, compile_artifact):
             assert f"[{r.experts[0]:>4},{r.experts[1]:>4})  [{r.shared_slice[0]:>5},{r.shared_slice[1]:>5})" in text
         for g in m.graphs:
             assert f"{g.graph_hash[:16]}  {g.file}" in text
+
+
+@pytest.mark.parametrize("main,args,message", [
+    ("compile_main", ["--jobs", "0"], "error: Invalid value for '--jobs': 0 is not in the range x>=1."),
+    ("compile_main", ["--decode-buckets", "1,abc"], "error: Invalid value for '--decode-buckets': '1,abc' is not"),
+    ("compile_main", ["--check-lock", "no-such.lock"], "error: --check-lock no-such.lock: no such lock file"),
+    ("run_main", ["no-artifact", "--threads", "0"], "error: Invalid value for '--threads': 0 is not in the range"),
+    ("run_main", ["no-artifact", "--bogus"], "error: No such option '--bogus'"),
+])
+def test_flag_errors_are_one_line_and_exit_2(tmp_path, main, args, message):
+    """Flag errors as every other error of the commands: one line, exit code 2 (click's own print the usage, a
+    hint and a blank line first); a missing lock file before the compile it could only fail after."""
+    r = subprocess.run([sys.executable, "-c", f"from deepinfer.cli import {main}; {main}()", *args],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().startswith(message) and len(r.stderr.strip().splitlines()) == 1, \
+        r.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,6 +132,77 @@ def test_manifest_edits_the_file_hashes_cannot_see_are_refused(checkpoints, comp
     mf.write_bytes(b'{"schema_version": "\xd0\x00"}')
     with pytest.raises(ArtifactError, match="manifest.json: not UTF-8 text"):
         open_artifact(art)
+
+
+def _rehashed(art: Path, edit) -> None:
+    """The artifact's manifest after `edit(data)`, with every file hash and the root hash rewritten to match: what
+    only the runtime's own checks can refuse."""
+    from deepinfer.common import serde
+    from deepinfer.common.manifest import sha256_file
+    mf = art / "manifest.json"
+    data = json.loads(mf.read_text())
+    edit(data)
+    for w in data["weights"]:
+        w["sha256"], w["bytes"] = sha256_file(art / w["path"]), (art / w["path"]).stat().st_size
+    for g in data["graphs"]:
+        g["file_sha256"] = sha256_file(art / g["file"])
+    data["root_hash"] = serde.loads(Manifest, json.dumps(data), "edited").compute_root_hash()
+    mf.write_text(json.dumps(data))
+
+
+def test_a_manifest_rewritten_with_its_hashes_is_still_checked(checkpoints, compile_artifact, tmp_path):
+    """Edits that keep the types and rewrite the hashes: sizes the runtime divides by or indexes with, an unknown
+    dtype, a context limit the graphs were not built for, a file outside the artifact."""
+    import shutil
+    src = compile_artifact(checkpoints["base"])
+    cases = [(lambda d: d["compile"].update(block_size=0), "compile.block_size=0 must be at least 1"),
+             (lambda d: d["compile"].update(num_kv_blocks=0), "compile.num_kv_blocks=0 must be at least 1"),
+             (lambda d: d["compile"].update(decode_buckets=[]), "compile.decode_buckets=[] must be distinct"),
+             (lambda d: d["compile"].update(dtype="float16"), "compile.dtype='float16' is not float32 or bfloat16"),
+             (lambda d: d["compile"].update(context_limit=4096), "context_limit=4096 is not the last context bucket"),
+             (lambda d: d["tokenizer"][0].update(path="../../etc/passwd"), "is not inside the artifact")]
+    for i, (edit, message) in enumerate(cases):
+        art = tmp_path / f"a{i}"
+        shutil.copytree(src, art)
+        _rehashed(art, edit)
+        with pytest.raises(ArtifactError, match=re.escape(message)):
+            open_artifact(art)
+
+
+def test_weights_and_graphs_rewritten_with_their_hashes_are_refused_at_load(checkpoints, compile_artifact,
+                                                                             tmp_path):
+    """A weight shard whose tensors differ from the manifest's list (its hash rewritten with it): a tensor of
+    another shape (it ran, with other output), a missing one (a KeyError), a file that is not safetensors, and a
+    graph file that is not a graph: each an ArtifactError naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from deepinfer.runtime.engine import Engine
+    art = tmp_path / "art"
+    shutil.copytree(compile_artifact(checkpoints["base"]), art)
+    shard = art / "weights/rank0.safetensors"
+    good = shard.read_bytes()
+    tensors = load_file(shard)
+    name = next(k for k in tensors if k.endswith("attn.o_proj"))
+    for change, message in ((lambda t: t.update({name: t[name][:, :-1].contiguous()}), f"weight '{name}' is"),
+                            (lambda t: t.pop(name), f"has no tensor '{name}'")):
+        edited = dict(tensors)
+        change(edited)
+        save_file(edited, shard, metadata={"format": "pt"})
+        _rehashed(art, lambda d: None)
+        with pytest.raises(ArtifactError, match=re.escape(message)):
+            Engine.from_artifact(art)
+    shard.write_bytes(b"not a safetensors file" * 10)
+    _rehashed(art, lambda d: None)
+    with pytest.raises(ArtifactError, match="rank0.safetensors: not a readable safetensors file"):
+        Engine.from_artifact(art)
+    shard.write_bytes(good)
+    graph = art / json.loads((art / "manifest.json").read_text())["graphs"][0]["file"]
+    graph.write_bytes(b"junk" * 100)
+    _rehashed(art, lambda d: None)
+    with pytest.raises(ArtifactError, match=r"cannot be loaded .*the artifact is damaged"):
+        Engine.from_artifact(art)
 
 
 @pytest.mark.parametrize("content,message", [

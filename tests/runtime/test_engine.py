@@ -460,6 +460,8 @@ def test_a_device_the_host_or_artifact_cannot_run_is_refused_before_loading(arti
     from deepinfer.runtime.artifact import check_device, open_artifact
     m = open_artifact(artifact).manifest          # eager: cpu or cuda
     check_device(m, "cpu")
+    with pytest.raises(OptionError, match="--device cpu:3: the CPU is one device"):   # was safetensors' traceback
+        check_device(m, "cpu:3")
     with pytest.raises(OptionError, match="--device 'foo' is not a device"):
         Engine.from_artifact(artifact, device="foo")
     if not torch.cuda.is_available():

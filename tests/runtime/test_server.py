@@ -624,6 +624,17 @@ def test_oversized_bodies_are_413s_and_the_server_keeps_serving(server):
     assert post(server, {"prompt": [5, 6], "max_tokens": 2}).status_code == 200
 
 
+def test_a_taken_port_fails_at_once_naming_it(server):
+    """Bound before the engine loads: a port in use is one line and exit code 2 at once (uvicorn's own failure came
+    after loading, after a "serving on" line, as three lines and exit code 3)."""
+    port = server["base"].rsplit(":", 1)[1]
+    r = subprocess.run([sys.executable, "-c", "from deepinfer.cli import run_main; run_main()", str(server["art"]),
+                        "--port", port], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        f"error: --host 127.0.0.1 --port {port}: cannot listen there"), r.stderr
+    assert "serving" not in r.stderr
+
+
 def test_tiny_temperature_is_greedy_not_a_failed_step(server):
     """1e-40 overflows logits / temperature to inf; it must behave as greedy (as vLLM), not fail the batch."""
     body = {"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True}
