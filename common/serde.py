@@ -54,6 +54,8 @@ def from_jsonable(tp: Any, data: Any, where: str) -> Any:
             raise ArtifactError(f"{where}: expected a list, got {type(data).__name__}")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(from_jsonable(args[0], x, f"{where}[{i}]") for i, x in enumerate(data))
+        if len(data) != len(args):     # (zip would cut a longer list short and leave a shorter one so)
+            raise ArtifactError(f"{where}: expected a list of {len(args)}, got {len(data)}")
         return tuple(from_jsonable(a, x, f"{where}[{i}]") for i, (a, x) in enumerate(zip(args, data)))
     if origin is dict:
         if not isinstance(data, dict):

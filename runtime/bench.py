@@ -3,7 +3,15 @@ running server with N concurrent streaming requests (vllm bench serve's definiti
 
 Definitions (as `vllm bench serve`): TTFT = request start to the first streamed choice chunk;
 TPOT = (latency - TTFT) / (output tokens - 1), output tokens from the usage chunk; ITL = gaps between
-consecutive choice chunks; output throughput = all output tokens / wall time of the run.
+consecutive choice chunks; output throughput = all output tokens / wall time of the run. With --max-tokens 1
+there are no tokens after the first: TPOT is n/a (NaN in --json).
+
+Bad flags are one `error:` line and exit code 2 before anything loads or connects (offline: a prompt length that
+does not fit the artifact's context with --max-tokens is one too, not a skipped row). Online, a request that fails
+(an HTTP error, an error event mid-stream, a dropped connection) counts in `failed`: when every request fails there
+are no numbers, only the first failure as the error; when some fail, the results are printed and then the count
+and the first failure as the error, exit code 2 all the same (numbers over fewer requests, at a lower load than
+asked for, are not the run's).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import sys
 import time
@@ -18,7 +27,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..common.errors import exit_on_error
+from ..common.errors import DeepinferError, OptionError, exit_on_error, shown
+
+
+class ServerError(DeepinferError):
+    """online: the server cannot be reached, refuses the benchmark, or fails its requests."""
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int, *key: int, prefix_len: int = 0) -> list[list[int]]:
@@ -40,19 +53,26 @@ def offline(artifact: str, prompt_lens: list[int], concurrency: list[int], max_t
             sampling: dict | None = None, timing: bool = False) -> list[dict]:
     """sampling: temperature, top_p, top_k and the penalties for every request (default greedy). timing
     (DEEPINFER_REGION_TIMING): each row's region timing table goes to stderr after the row."""
+    from .artifact import open_artifact
     from .engine import Engine
     from .sequence import SamplingParams
+    limit = open_artifact(artifact, verify=False).manifest.compile.context_limit
+    # the engine's rule (Engine.validate): a 1-token request may fill the context with its prompt
+    room = limit if max_tokens == 1 else limit - max_tokens
+    if room < 1:
+        raise OptionError(f"--max-tokens {max_tokens} leaves no room for a prompt in the artifact's context limit "
+                          f"{limit}")
+    if too_long := [p for p in prompt_lens if p > room]:
+        raise OptionError(f"--prompt-lens {','.join(map(str, too_long))}: with --max-tokens {max_tokens}, prompts "
+                          f"longer than {room} tokens exceed the artifact's context limit {limit}")
     engine = Engine.from_artifact(artifact, device=device, prefix_caching=prefix_caching, timing=timing)
     timer = engine.runner.timer
     rows = []
     try:
         vocab = engine.manifest.model.vocab_size
-        limit = engine.manifest.compile.context_limit
         engine.generate(random_prompts(1, 8, vocab, seed, 1), SamplingParams(max_tokens=4, ignore_eos=True))  # warm
         for plen in prompt_lens:
             for conc in concurrency:
-                if plen + max_tokens > limit:
-                    continue
                 prompts = random_prompts(conc, plen, vocab, seed, 2, plen, conc, prefix_len=prefix_len)
                 hits = engine.scheduler.blocks.hits
                 params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {}))
@@ -67,9 +87,12 @@ def offline(artifact: str, prompt_lens: list[int], concurrency: list[int], max_t
                             done_at[out.seq.seq_id] = time.monotonic()
                 wall = time.monotonic() - t0
                 ttft = [s.first_token_time - t0 for s in seqs]
-                tpot = [(done_at[s.seq_id] - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs]
+                # TPOT is over the tokens after the first (vllm's): a 1-token request has none
+                tpot = [(done_at[s.seq_id] - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs
+                        if len(s.output_ids) > 1]
                 rows.append({"prompt_len": plen, "concurrency": conc, "ttft_ms_median": 1e3 * statistics.median(ttft),
-                             "ttft_ms_p99": 1e3 * pct(ttft, 99), "tpot_ms_median": 1e3 * statistics.median(tpot),
+                             "ttft_ms_p99": 1e3 * pct(ttft, 99),
+                             "tpot_ms_median": 1e3 * statistics.median(tpot) if tpot else float("nan"),
                              "tpot_ms_p99": 1e3 * pct(tpot, 99),
                              "output_tok_s": conc * max_tokens / wall, "wall_s": wall,
                              "cached_pct": 100.0 * (engine.scheduler.blocks.hits - hits) / (conc * plen)})
@@ -99,7 +122,7 @@ async def _one(client, url: str, body: dict, headers: dict) -> Result:
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                r.error = _http_error(resp.status_code, (await resp.aread()).decode(errors="replace"))
                 return r
             buf = ""
             async for text in resp.aiter_text():
@@ -110,6 +133,9 @@ async def _one(client, url: str, body: dict, headers: dict) -> Result:
                     if not msg.startswith("data: ") or msg == "data: [DONE]":
                         continue
                     data = json.loads(msg[6:])
+                    if "error" in data:       # the server's error event: the request failed mid-stream
+                        r.error = "error mid-stream: " + _error_message(data, msg[6:])
+                        return r
                     if data.get("choices"):
                         now = time.perf_counter()
                         if r.ttft == 0.0:
@@ -121,9 +147,63 @@ async def _one(client, url: str, body: dict, headers: dict) -> Result:
                         r.output_tokens = data["usage"]["completion_tokens"]
         r.latency = last - st
         r.ok = r.ttft > 0
+        if not r.ok:
+            r.error = "the stream ended without a token"
     except Exception as e:  # network errors are results, not crashes
         r.error = f"{type(e).__name__}: {e}"
     return r
+
+
+def _error_message(body, text: str) -> str:
+    """An OpenAI-shaped error body's message, else the reply's start, as one line."""
+    try:
+        msg = body["error"]["message"]
+    except (LookupError, TypeError):
+        msg = text
+    return " ".join(str(msg).split())[:300]
+
+
+def _http_error(status: int, text: str) -> str:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    return f"HTTP {status}: {_error_message(body, text)}"
+
+
+def _base_url(text: str) -> str:
+    import httpx
+    try:
+        url = httpx.URL(text)
+    except httpx.InvalidURL:
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host:
+        raise OptionError(f"--base-url {shown(text)!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
+    return text.rstrip("/")          # the paths are appended
+
+
+async def _served_model(client, base_url: str, headers: dict, model: str | None) -> str:
+    """GET /v1/models before anything is timed: an unreachable server or a refused --api-key is one error naming
+    it, not a failure per request; without --model, the server's first model is the one benchmarked."""
+    import httpx
+    url = base_url + "/v1/models"
+    try:
+        resp = await client.get(url, headers=headers)
+    except httpx.HTTPError as e:
+        raise ServerError(f"--base-url {base_url}: cannot reach the server ({type(e).__name__}: "
+                          f"{str(e) or 'no reply'})") from None
+    if resp.status_code == 404 and model is not None:
+        return model                 # a server without the listing: the requests will tell
+    if resp.status_code != 200:
+        hint = {401: " (check --api-key)", 403: " (check --api-key)",
+                404: " (--base-url is the server's root, without /v1)"}.get(resp.status_code, "")
+        raise ServerError(f"GET {url} answered {_http_error(resp.status_code, resp.text)}{hint}")
+    if model is not None:
+        return model
+    try:
+        return str(resp.json()["data"][0]["id"])
+    except (ValueError, LookupError, TypeError):
+        raise ServerError(f"GET {url}: the reply lists no model ({shown(resp.text)!r}); pass --model") from None
 
 
 async def _online(base_url: str, model: str | None, prompt_len: int, max_tokens: int, num_requests: int,
@@ -131,9 +211,9 @@ async def _online(base_url: str, model: str | None, prompt_len: int, max_tokens:
                   sampling: dict | None = None) -> dict:
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        if model is None:
-            model = (await client.get(base_url + "/v1/models", headers=headers)).json()["data"][0]["id"]
+    # connecting gives up in 30 s on a host that never answers (the 600 s are for long generations)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0)) as client:
+        model = await _served_model(client, base_url, headers, model)
         prompts = random_prompts(num_requests, prompt_len, vocab, seed, prefix_len=prefix_len)
         sem = asyncio.Semaphore(concurrency)
 
@@ -148,12 +228,15 @@ async def _online(base_url: str, model: str | None, prompt_len: int, max_tokens:
         results = await asyncio.gather(*(run(p) for p in prompts))
         wall = time.perf_counter() - t0
     ok = [r for r in results if r.ok]
+    errors = list(dict.fromkeys(r.error for r in results if not r.ok))     # distinct, in request order
+    if not ok:
+        raise ServerError(f"all {num_requests} requests failed; the first: {errors[0]}")
     ttft = [r.ttft for r in ok]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [x for r in ok for x in r.itl]
     return {"requests": num_requests, "concurrency": concurrency, "prompt_len": prompt_len,
             "completed": len(ok), "failed": len(results) - len(ok),
-            "errors": sorted({r.error for r in results if not r.ok})[:3],
+            "errors": errors[:3],
             "ttft_ms_median": 1e3 * statistics.median(ttft) if ttft else float("nan"),
             "ttft_ms_p99": 1e3 * pct(ttft, 99), "tpot_ms_median": 1e3 * statistics.median(tpot) if tpot else
             float("nan"), "tpot_ms_p99": 1e3 * pct(tpot, 99),
@@ -164,7 +247,8 @@ async def _online(base_url: str, model: str | None, prompt_len: int, max_tokens:
 def table(rows: list[dict], cols: list[str]) -> str:
     out = ["  ".join(f"{c:>14}" for c in cols)]
     for r in rows:
-        out.append("  ".join(f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]!s:>14}" for c in cols))
+        out.append("  ".join(f"{'n/a':>14}" if isinstance(r[c], float) and math.isnan(r[c]) else
+                             f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]!s:>14}" for c in cols))
     return "\n".join(out)
 
 
@@ -178,9 +262,46 @@ def _sampling_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repetition-penalty", type=float, default=None)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Flag errors as the other commands': one line and exit code 2 (argparse prints the usage first)."""
+
+    def error(self, message: str):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _counts(flag: str, text: str) -> list[int]:
+    """A comma-separated list of positive integers (--prompt-lens 32,128)."""
+    try:
+        xs = [int(x) for x in text.split(",")]
+    except ValueError:
+        xs = []
+    if not xs or min(xs) < 1:
+        raise OptionError(f"{flag} {shown(text)!r} is not a comma-separated list of positive integers (e.g. 1,4,16)")
+    return xs
+
+
+def _at_least(a: argparse.Namespace, name: str, low: int, why: str = "") -> None:
+    if (v := getattr(a, name)) < low:
+        raise OptionError(f"--{name.replace('_', '-')} {shown(v)} must be at least {low}{why}")
+
+
+def _check(a: argparse.Namespace) -> None:
+    """The flags' rules, before anything loads or connects."""
+    _at_least(a, "max_tokens", 1)
+    _at_least(a, "prefix_len", 0)
+    _at_least(a, "seed", 0, " (numpy's seeds are non-negative)")
+    if a.mode == "online":
+        a.base_url = _base_url(a.base_url)
+        _at_least(a, "prompt_len", 1)
+        _at_least(a, "num_requests", 1)
+        _at_least(a, "concurrency", 1)
+        _at_least(a, "vocab", 3, " (prompt ids are drawn from 2 up to it)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="deepinfer-bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(prog="deepinfer-bench", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = ap.add_subparsers(dest="mode", required=True)
     off = sub.add_parser("offline", help="TTFT/TPOT matrix straight on the runtime")
@@ -214,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(a: argparse.Namespace) -> None:
+    _check(a)
     sampling = {k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("top_k", a.top_k))
                 if v is not None}
     if sampling and a.temperature is None:
@@ -224,8 +346,8 @@ def _run(a: argparse.Namespace) -> None:
         from .model_runner import timing_requested
         if sampling.get("top_k") == -1:
             sampling["top_k"] = 0              # the server's (and vLLM's) "no top-k" is the engine's 0
-        rows = offline(a.artifacts, [int(x) for x in a.prompt_lens.split(",")],
-                       [int(x) for x in a.concurrency.split(",")], a.max_tokens, a.seed, a.device, a.prefix_len,
+        rows = offline(a.artifacts, _counts("--prompt-lens", a.prompt_lens),
+                       _counts("--concurrency", a.concurrency), a.max_tokens, a.seed, a.device, a.prefix_len,
                        not a.no_prefix_caching, sampling,
                        timing=timing_requested())
         print(json.dumps(rows) if a.json else table(rows, ["prompt_len", "concurrency", "ttft_ms_median",
@@ -238,5 +360,6 @@ def _run(a: argparse.Namespace) -> None:
                                                        "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median",
                                                        "tpot_ms_p99", "itl_ms_median", "itl_ms_p99",
                                                        "output_tok_s"]))
-        if r["errors"]:
-            print("errors:", r["errors"])
+        if r["failed"]:
+            raise ServerError(f"{r['failed']} of {r['requests']} requests failed (the numbers above are over the "
+                              f"{r['completed']} that completed); the first: {r['errors'][0]}")
