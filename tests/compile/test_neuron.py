@@ -72,7 +72,7 @@ def test_finish_refuses_an_edited_artifact_and_unknown_graphs(prepared, tmp_path
     with pytest.raises(ArtifactError, match="plan.json: cannot be read"):
         finish(art)
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest["compile"]["context_limit"] *= 2
+    manifest["compile"]["num_kv_blocks"] += 1
     (art / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="root hash does not match"):
         finish(art)
