@@ -235,6 +235,7 @@ class _FlatAOTI:
 
 
 def load_weights(art: Artifact, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     shard = next((w for w in art.manifest.weights if w.rank == rank), None)
     if shard is None:
@@ -245,9 +246,7 @@ def load_weights(art: Artifact, rank: int, device: torch.device) -> dict[str, to
         weights = load_file(str(path), device=str(device))
     except (OSError, ValueError) as e:
         raise ArtifactError(f"{path}: cannot be read ({e})") from None
-    except Exception as e:             # safetensors' SafetensorError: not a safetensors file
-        if type(e).__name__ != "SafetensorError":
-            raise
+    except SafetensorError as e:
         raise ArtifactError(f"{path}: not a readable safetensors file ({e}); the artifact is damaged") from None
     if device.type == "cpu" and os.environ.get(HUGE_PAGES_ENV, "1") != "0":
         weights = _into_huge_page_arena(weights)

@@ -48,10 +48,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
-            text.encode("utf-8")
+            size = len(text.encode("utf-8"))
         except UnicodeEncodeError as e:   # JSON allows lone surrogates ("\ud800"); UTF-8 text does not
             raise RequestError(f"the text is not valid Unicode ({e.reason} at position {e.start})") from None
-        self._refuse_far_too_long(text)
+        self._refuse_far_too_long(text, size)
         if len(text) < LONG_TEXT:
             ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         else:   # `encode` holds the GIL for all of it (the server's event loop with it); `encode_batch` does not
@@ -60,7 +60,7 @@ class Tokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def _refuse_far_too_long(self, text: str) -> None:
+    def _refuse_far_too_long(self, text: str, size: int) -> None:
         """A text whose UTF-8 bytes could not fit in the context even at four times the longest token's bytes a
         token is refused before it is tokenized: 15 MB of text took the server's tokenizer 20 s and 3 GB to find
         11.8M tokens for a 1024-token context. (The factor leaves room for normalizers that shrink a text.)"""
@@ -69,7 +69,6 @@ class Tokenizer:
         if self._token_bytes_max is None:
             vocab = self._tok.get_vocab(with_added_tokens=True)
             self._token_bytes_max = max((len(t.encode("utf-8")) for t in vocab), default=1)
-        size = len(text.encode("utf-8"))
         if size > 4 * self._token_bytes_max * self.context_limit:
             raise RequestError(f"the text is {size} bytes: far more than the compiled context limit of "
                                f"{self.context_limit} tokens holds (no token of this tokenizer spells more than "
