@@ -110,7 +110,7 @@ def _env_int(name: str) -> int | None:
 @click.option("--device-memory", type=float, default=None, help="GiB per rank; refuse layouts that do not fit.")
 @click.option("--neuron-target", type=click.Choice(["trn1", "trn2", "inf2"]), default=None)
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
-              help="Compile cache (env DEEPINFER_CACHE, default ~/.cache/deepinfer).")
+              help="Compile cache (env DEEPINFER_CACHE, default $XDG_CACHE_HOME/deepinfer where that is set, else ~/.cache/deepinfer).")
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
               help="Graphs compiled in parallel (default: CPU count).")
 @click.option("--keep-going", is_flag=True, help="Report every failing graph instead of stopping at the first.")
@@ -171,7 +171,7 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
 # -- deepinfer-run --------------------------------------------------------------------------------------
 @click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifacts", type=click.Path(path_type=Path), default=Path("artifacts"))
-@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable). Without prompts: serve HTTP.")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable). Without --prompt, --prompt-ids or --verify-only: serve HTTP.")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt as comma-separated token ids (repeatable).")
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
@@ -190,8 +190,9 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
               help="Prefill chunks first (they admit requests), but at most this many in a row while running "
                    "sequences wait for their next token: trades burst throughput/TTFT against TPOT stalls.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads for the graphs (default: all cores offline; one fewer when serving, which leaves "
-                   "a core to the HTTP event loop instead of fighting OpenMP's spinning threads for it).")
+              help="CPU threads for the graphs (default: OMP_NUM_THREADS where set, else all cores offline and one "
+                   "fewer when serving, which leaves a core to the HTTP event loop instead of fighting "
+                   "OpenMP's spinning threads for it).")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="Reuse the KV of full blocks earlier requests left in the pool when a prompt starts with the "
                    "same tokens (shared system prompts, multi-turn chats, repeated prompts): those are not recomputed.")

@@ -96,11 +96,13 @@ class Engine:
 
     @classmethod
     def from_artifact(cls, path: str | Path, device: str = "cpu", verify: bool = True, timing: bool = False,
-                      collective_timeout: float = 60.0, torchrun: tuple[int, int] | None = None,
+                      collective_timeout: float | None = None, torchrun: tuple[int, int] | None = None,
                       **kw) -> "Engine":
         """world == 1: this process. Otherwise this process is rank 0 and spawns the followers on this host,
         or, with `torchrun=(rank, world)` (set by torchrun), rank 0 leads ranks started elsewhere and
-        every other rank serves as a follower until the leader stops (then this returns None)."""
+        every other rank serves as a follower until the leader stops (then this returns None).
+        `collective_timeout` (spawned followers): seconds the rendezvous and every collective may wait; default
+        DEEPINFER_COLLECTIVE_TIMEOUT, else 60."""
         art = open_artifact(path, verify=False)
         # before hashing every file (hundreds of GB for a 671B artifact); spawned followers share this host,
         # torchrun's ranks are spread over hosts as its LOCAL_WORLD_SIZE says
@@ -113,7 +115,9 @@ class Engine:
             return cls(art.manifest, make_runner(art, rank=0, device=device, timing=timing), tok, **kw)
         if torchrun is not None:
             return cls._torchrun_leader(art, tok, device, timing, torchrun, **kw)
-        from .distributed import Followers, claim_device, join_process_group
+        from .distributed import Followers, claim_device, collective_timeout_env, join_process_group
+        if collective_timeout is None:
+            collective_timeout = collective_timeout_env(60.0)
         followers = Followers(art.root, art.manifest, device, collective_timeout=collective_timeout)
         try:
             device = claim_device(0, world, device)

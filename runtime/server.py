@@ -399,12 +399,11 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         p = sum(len(x) for x in prompts)
         c = 0 if _scoring(req) else sum(sent_tokens) if sent_tokens is not None else \
             sum(len(s.seq.output_ids) for s in streams)
-        usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-        if engine.scheduler.cfg.prefix_caching:      # as OpenAI and vLLM: prompt tokens served from the cache
-            # (each prompt counted once, as prompt_tokens counts it: by its first choice)
-            cached = sum(s.seq.num_cached_tokens for s in streams[::n])
-            usage["prompt_tokens_details"] = {"cached_tokens": cached}
-        return usage
+        # as OpenAI's, always there: the prompt tokens served from the prefix cache (0 with it off), each prompt
+        # counted once, as prompt_tokens counts it (by its first choice)
+        cached = sum(s.seq.num_cached_tokens for s in streams[::n])
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _calls(mode: "ToolMode", seq, text: str) -> tuple[str | None, list[dict]]:
         """A finished choice's (content, tool calls) in a tool mode."""

@@ -247,17 +247,26 @@ def test_torchrun_path_matches(checkpoints, compile_artifact, reference):
 def test_a_follower_dying_before_the_rendezvous_is_named_at_once(checkpoints, compile_artifact, tmp_path):
     """A follower that dies before it joins the process group fails the start within the monitor's poll, naming its
     rank (the rendezvous alone waited out its 60 s timeout, then blamed the store). In a process of its own: a
-    failed start leaves torch.distributed unable to start another group in that process."""
+    failed start leaves torch.distributed unable to start another group in that process. Spawned followers are
+    handed DEEPINFER_COLLECTIVE_TIMEOUT (default 60), and a bad value stops the start before they are spawned."""
     art = compile_artifact(checkpoints["base"], cp=2, ep=2)
+    seen = tmp_path / "timeout"      # what the follower was handed: DEEPINFER_COLLECTIVE_TIMEOUT, as the leader's
     (tmp_path / "sitecustomize.py").write_text(
-        "import os\nif os.environ.get('DEEPINFER_LOCAL_RANK') == '1':\n    os._exit(3)\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+        "import os\nif os.environ.get('DEEPINFER_LOCAL_RANK') == '1':\n"
+        f"    open({str(seen)!r}, 'w').write(os.environ['DEEPINFER_COLLECTIVE_TIMEOUT'])\n    os._exit(3)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DEEPINFER_COLLECTIVE_TIMEOUT": "45",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     t = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "deepinfer", "run", str(art), "--prompt-ids", "1,2,3"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert time.monotonic() - t < 40
     assert out.returncode == 2 and "follower rank 1 exited with code 3" in out.stderr, out.stderr[-3000:]
+    assert float(seen.read_text()) == 45.0
+    # a bad value is refused before any follower starts
+    out = subprocess.run([sys.executable, "-m", "deepinfer", "run", str(art), "--prompt-ids", "1,2,3"],
+                         capture_output=True, text=True, timeout=120, env={**env, "DEEPINFER_COLLECTIVE_TIMEOUT": "ten"})
+    assert out.returncode == 2 and "DEEPINFER_COLLECTIVE_TIMEOUT='ten'" in out.stderr, out.stderr[-3000:]
+    assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_the_collective_timeout_variable_is_checked(monkeypatch):

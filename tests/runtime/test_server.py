@@ -358,6 +358,26 @@ def test_repeated_prompts_report_cached_tokens_and_the_metrics_count_hits(server
     assert hits >= 48 + 16 and "deepinfer_kv_blocks_cached" in metrics
 
 
+def test_without_the_prefix_cache_usage_still_reports_cached_tokens(server):
+    """--no-prefix-caching: a repeated prompt is computed again, and usage keeps OpenAI's shape with
+    cached_tokens 0 (the key was missing, which broke clients reading it); the text is the cached server's."""
+    proc, base = start_server(server["art"], "--no-prefix-caching")
+    try:
+        prompt = [(11 * j) % 300 + 2 for j in range(50)]
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        replies = [httpx.post(base + "/v1/completions", json=body, timeout=60).json() for _ in range(2)]
+        assert [r["usage"]["prompt_tokens_details"] for r in replies] == [{"cached_tokens": 0}] * 2
+        assert replies[1]["choices"][0]["text"] == post(server, body).json()["choices"][0]["text"]
+        chat = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True}})
+        usage = [json.loads(ln[6:]) for ln in chat.text.splitlines() if ln.startswith("data: {")][-1]["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, checkpoints):
     """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1; and the older max_tokens 0,
     which scores the prompt without generating): the prompt's tokens with their logprobs (None for the first),
