@@ -176,7 +176,7 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 or -1 (the server's and vLLM's): off.")
 @click.option("--seed", type=int, default=None)
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt: token_ids, text, ...")
@@ -255,7 +255,7 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
                                   max_prefill_streak=max_prefill_streak, prefix_caching=prefix_caching, **spec)
     if engine is None:      # a torchrun follower rank: it served the leader until the end
         return
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=0 if top_k == -1 else top_k, seed=seed,
                             ignore_eos=ignore_eos)
     inputs: list[tuple[str | None, list[int]]] = []
     for p in prompts:

@@ -60,8 +60,9 @@ def counts(usage: dict) -> dict:
 
 
 def offline_ids(art, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    # --top-k -1: the server's and vLLM's "off", taken offline too
     args = [sys.executable, "-c", "from deepinfer.cli import run_main; run_main()", str(art), "--json",
-            "--max-tokens", str(max_tokens), "--ignore-eos"]
+            "--max-tokens", str(max_tokens), "--ignore-eos", "--top-k", "-1"]
     for p in prompt_ids:
         args += ["--prompt-ids", ",".join(map(str, p))]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
