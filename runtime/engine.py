@@ -7,6 +7,7 @@ import ctypes
 import gc
 import logging
 import math
+import numbers
 import os
 import time
 from dataclasses import dataclass
@@ -199,6 +200,7 @@ class Engine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         limit = self.manifest.compile.context_limit
         vocab = self.manifest.model.vocab_size
+        _check_types(params)
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if params.max_tokens < 1:
@@ -509,6 +511,43 @@ class Engine:
         while self.has_work:
             self.step()
         return seqs
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+_INT_FIELDS = ("max_tokens", "top_k", "min_tokens")
+_OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs")
+_REAL_FIELDS = ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _check_types(params: SamplingParams) -> None:
+    """Each field of the type it is used as: a request built in Python (not through the server's schema) with, say,
+    top_k 5.0 or a stop string as a number was accepted, then raised inside a step and failed every request of
+    that step. Named, as the server's 400s name theirs."""
+    for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+        v = getattr(params, name)
+        if not (_is_int(v) or (v is None and name in _OPTIONAL_INT_FIELDS)):
+            raise RequestError(f"{name}={shown(v)} must be an integer")
+    for name in _REAL_FIELDS:
+        v = getattr(params, name)
+        if not _is_real(v):
+            raise RequestError(f"{name}={shown(v)} must be a number")
+    if not isinstance(params.ignore_eos, bool):
+        raise RequestError(f"ignore_eos={shown(params.ignore_eos)} must be true or false")
+    if isinstance(params.stop, str) or not all(isinstance(x, str) for x in params.stop):
+        raise RequestError(f"stop={shown(params.stop)} must be a sequence of strings")
+    if any(x == "" for x in params.stop):
+        raise RequestError("stop strings must not be empty")
+    if not all(isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and _is_real(p[1]) for p in params.logit_bias):
+        raise RequestError(f"logit_bias={shown(params.logit_bias)} must be (token id, bias) pairs")
+    if params.structure is not None and not isinstance(params.structure, str):
+        raise RequestError(f"structure={shown(params.structure)} must be a grammar's text")
 
 
 class _Launched:

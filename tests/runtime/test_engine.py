@@ -380,11 +380,27 @@ def test_eos_and_stop_strings_finish_a_sequence(engine):
     ([5], SamplingParams(stop_token_ids=tuple(range(1025))), "at most 1024"),
     ([5], SamplingParams(repetition_penalty=1e-50), "repetition_penalty"),
     ([10 ** 9] * 10 ** 6, GREEDY, "exceeds the compiled context limit"),      # before looking at every id
+    # values of the wrong type, which a request built in Python can carry (the server's schema refuses them):
+    # each was accepted, then raised inside a step and failed every request of that step
+    ([5], SamplingParams(temperature=1.0, top_k=5.0), "top_k=5.0 must be an integer"),
+    ([5], SamplingParams(logprobs=2.0), "logprobs=2.0 must be an integer"),
+    ([5, 6], SamplingParams(prompt_logprobs=2.0), "prompt_logprobs=2.0 must be an integer"),
+    ([5], SamplingParams(max_tokens=3.0), "max_tokens=3.0 must be an integer"),   # broke drafted steps only
+    ([5], SamplingParams(max_tokens=True), "max_tokens=True must be an integer"),
+    ([5], SamplingParams(stop=(5,)), "stop=.* must be a sequence of strings"),
+    ([5], SamplingParams(stop="ab"), "stop=ab must be a sequence of strings"),
+    ([5], SamplingParams(stop=("",)), "stop strings must not be empty"),
+    ([5], SamplingParams(temperature="0.5"), "temperature=0.5 must be a number"),
+    ([5], SamplingParams(logit_bias=((7.0, 1.0),)), "logit_bias=.* must be \\(token id, bias\\) pairs"),
+    ([5], SamplingParams(ignore_eos=1), "ignore_eos=1 must be true or false"),
 ])
 def test_bad_requests_are_refused_and_lose_nothing(engine, prompt, params, message):
+    queued = engine.add_request([7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
     with pytest.raises(RequestError, match=message):
         engine.add_request(prompt, params)
-    assert not engine.has_work
+    while engine.has_work:
+        engine.step()
+    assert queued.finish_reason == "length" and len(queued.output_ids) == 4
     assert engine.generate([[4, 5, 6]], GREEDY)[0].finish_reason == "length"
 
 
