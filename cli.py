@@ -110,7 +110,8 @@ def _env_int(name: str) -> int | None:
 @click.option("--device-memory", type=float, default=None, help="GiB per rank; refuse layouts that do not fit.")
 @click.option("--neuron-target", type=click.Choice(["trn1", "trn2", "inf2"]), default=None)
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
-              help="Compile cache (env DEEPINFER_CACHE, default $XDG_CACHE_HOME/deepinfer where that is set, else ~/.cache/deepinfer).")
+              help="Compile cache (env DEEPINFER_CACHE, default $XDG_CACHE_HOME/deepinfer where that is set, else "
+                   "~/.cache/deepinfer).")
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
               help="Graphs compiled in parallel (default: CPU count).")
 @click.option("--keep-going", is_flag=True, help="Report every failing graph instead of stopping at the first.")
@@ -171,7 +172,8 @@ def compile_main(model, out, backend, dtype, weight_dtype, matmul_dtype, cp, ep,
 # -- deepinfer-run --------------------------------------------------------------------------------------
 @click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifacts", type=click.Path(path_type=Path), default=Path("artifacts"))
-@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable). Without --prompt, --prompt-ids or --verify-only: serve HTTP.")
+@click.option("--prompt", "prompts", multiple=True,
+              help="Prompt text (repeatable). Without --prompt, --prompt-ids or --verify-only: serve HTTP.")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt as comma-separated token ids (repeatable).")
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
@@ -255,8 +257,8 @@ def run_main(artifacts, prompts, prompt_ids, max_tokens, temperature, top_p, top
                                   max_prefill_streak=max_prefill_streak, prefix_caching=prefix_caching, **spec)
     if engine is None:      # a torchrun follower rank: it served the leader until the end
         return
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=0 if top_k == -1 else top_k, seed=seed,
-                            ignore_eos=ignore_eos)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            top_k=0 if top_k == -1 else top_k, seed=seed, ignore_eos=ignore_eos)
     inputs: list[tuple[str | None, list[int]]] = []
     for p in prompts:
         if engine.tokenizer is None:

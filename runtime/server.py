@@ -333,9 +333,7 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         if max_tokens < 1:
             raise RequestError(f"field 'max_tokens'={shown(max_tokens)} must be at least 1 (0 only with 'echo': the "
                                f"prompt scored, nothing generated)")
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        if any(s == "" for s in stop):
-            raise RequestError("field 'stop': stop strings must not be empty")
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())   # empty ones: Engine.validate
         bias, keys = [], {}
         for key, value in (req.logit_bias or {}).items():
             if not key.strip().isdecimal() or len(key.strip()) > 18:    # (and int() refuses 4300+ digits)
