@@ -37,7 +37,8 @@ class StepOutput:
     new_text: str
     finished: bool
     index: int = -1          # the token's place in seq.output_ids (a step may output several: speculative drafts)
-    text: str = ""           # seq.output_text once this token is in
+    text_at: int = 0         # where new_text starts in seq.output_text: its length before, unless a stop string
+                             # cut text already output (then less)
 
 
 class Engine:
@@ -73,7 +74,6 @@ class Engine:
         # artifacts compiled before prompt logprobs lack the heads over every row of a prefill chunk
         self.has_prompt_logprobs = all(graph_name(HEAD, PREFILL, T, logit_rows=T) in names
                                        for T in cc.prefill_buckets if T > 1)
-        self._detok: dict[int, IncrementalDetokenizer] = {}
         self._grammars = None             # structured outputs' grammar engine, built at its first request
         self.num_steps = 0
         self.current_step: ScheduledStep | None = None     # the step being run (None between steps)
@@ -289,13 +289,14 @@ class Engine:
             seq.constraint = constraint if constraint is not None else self.grammars().constraint(params.structure)
         self.scheduler.add(seq)
         if self.tokenizer is not None:
-            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         return seq
 
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
             self.scheduler.finish(seq, "abort")
-        self._detok.pop(seq.seq_id, None)
+        if seq.detokenizer is not None:
+            seq.output_text = seq.detokenizer.text        # what it had: the detokenizer is let go
 
     @property
     def has_work(self) -> bool:
@@ -439,7 +440,6 @@ class Engine:
                 self.scheduler.blocks.register(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                self._detok.pop(seq.seq_id, None)
         return outs
 
     def _verified(self, seq: Sequence, rows: torch.Tensor) -> tuple[list[int], list[float], list[dict[int, float]]]:
@@ -470,13 +470,12 @@ class Engine:
         # EOS (unless ignored) and stop_token_ids finish the sequence; as in vLLM, their text is not output
         stop_token = (tok in self.eos_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids
         text = ""
-        det = self._detok.get(seq.seq_id)
+        det = seq.detokenizer
         if det is not None and not stop_token:
             text = det.add([tok])
-            seq.output_text = det.text
         early = len(seq.output_ids) <= seq.params.min_tokens       # stop strings count after min_tokens
-        if early:
-            seq.stop_from = len(seq.output_text)
+        if early and det is not None:
+            seq.stop_from = det.length
         cut = False
         if seq.constraint is not None:
             seq.constraint.consume(tok)
@@ -489,21 +488,25 @@ class Engine:
         elif seq.params.stop and det is not None and not early:
             # a hit ends in the new text (one ending before it was found earlier): search the tail only
             longest = max(len(x) for x in seq.params.stop)
-            tail = max(seq.stop_from, len(seq.output_text) - len(text) - longest + 1)
-            hit = _first_stop(seq.output_text, seq.params.stop, tail)
+            emitted_before = det.length - len(text)
+            tail = max(seq.stop_from, emitted_before - longest + 1)
+            window = det.text_from(tail)
+            hit = _first_stop(window, seq.params.stop)
             if hit is not None:
-                emitted_before = len(seq.output_text) - len(text)
-                text = seq.output_text[emitted_before:hit] if hit > emitted_before else ""
-                seq.output_text = seq.output_text[:hit]
+                hit += tail
+                text = window[emitted_before - tail:hit - tail] if hit > emitted_before else ""
+                seq.output_text = det.text[:hit]
                 reason, cut = "stop", True
         if reason is None and (len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= limit):
             reason = "length"
         if reason is not None and det is not None and not cut:
             # Flush what the incremental decoder held back (an incomplete UTF-8 tail decodes as U+FFFD).
+            before = det.length
             full = det.flush()
-            text += full[len(seq.output_text):]
+            text += full[before:]
             seq.output_text = full
-        return StepOutput(seq, [tok], text, reason is not None, len(seq.output_ids) - 1, seq.output_text), reason
+        length = det.length if seq.detokenizer is not None else len(seq.output_text)
+        return StepOutput(seq, [tok], text, reason is not None, len(seq.output_ids) - 1, length - len(text)), reason
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -26,7 +26,9 @@ log = logging.getLogger("deepinfer.engine")
 @dataclass
 class TokenEvent:
     token_id: int
-    text: str                  # the sequence's whole output text so far (stop strings already cut)
+    delta: str                 # the text this token added to the sequence's output text
+    delta_at: int              # where in that text `delta` starts: its length before, or less when a stop string
+                               # found in this token cut text an earlier event had added (text[:delta_at] + delta)
     logprob: float
     top_logprobs: dict[int, float]
     finished: bool
@@ -232,8 +234,8 @@ class EngineLoop:
                 s.push(RequestError(seq.failure))
                 del self._streams[seq.seq_id]
                 continue
-            # one event a token (a verified draft gives several a step), each with the text as of that token
-            s.push(TokenEvent(token_id=out.new_token_ids[-1], text=out.text,
+            # one event a token (a verified draft gives several a step), each with the text that token added
+            s.push(TokenEvent(token_id=out.new_token_ids[-1], delta=out.new_text, delta_at=out.text_at,
                               logprob=seq.token_logprobs[out.index], top_logprobs=seq.output_logprobs[out.index],
                               finished=out.finished, finish_reason=seq.finish_reason if out.finished else None))
             if out.finished:

@@ -70,7 +70,8 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     generator: torch.Generator | None = None
-    output_text: str = ""
+    _text: str = field(default="", repr=False)     # output_text once the detokenizer is done
+    detokenizer: object | None = field(default=None, repr=False)   # tokenizer.IncrementalDetokenizer while it runs
     num_preemptions: int = 0
     prompt_token_logprobs: list[float] = field(default_factory=list)       # of prompt tokens 1, 2, ...
     prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -95,6 +96,17 @@ class Sequence:
             self.generator = torch.Generator()
             seed = self.params.seed if self.params.seed is not None else torch.seed()
             self.generator.manual_seed(seed)
+
+    @property
+    def output_text(self) -> str:
+        """The text of its output tokens (stop strings cut): its detokenizer's while it runs, which keeps the text as
+        pieces (joined here, so read it at the end, or use the detokenizer's `text_from` for a tail)."""
+        return self.detokenizer.text if self.detokenizer is not None else self._text
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        """The final text: the detokenizer is let go."""
+        self._text, self.detokenizer = text, None
 
     @property
     def num_tokens(self) -> int:

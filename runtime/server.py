@@ -430,7 +430,7 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
         scoring = _scoring(req)
         for idx, (s, events) in enumerate(zip(streams, results)):
             last = events[-1] if events else None
-            text = last.text if last and not scoring else ""
+            text = s.seq.output_text if last and not scoring else ""
             if chat:
                 message, finish = {"role": "assistant", "content": text}, last.finish_reason if last else "abort"
                 if tools is not None and last is not None:
@@ -488,7 +488,8 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
 
         tasks = [asyncio.create_task(forward(i, s)) for i, s in enumerate(streams)]
         holdback = max((len(x) for x in (_stops(req))), default=1) - 1
-        sent = [0] * len(streams)
+        sent = [0] * len(streams)      # characters of each choice's text streamed as content
+        unsent = [""] * len(streams)   # its text after those (what the stop-string holdback keeps)
         ntok = [0] * len(streams)      # tokens streamed per choice
         emitted = [0] * len(streams)
         created = now()
@@ -548,21 +549,26 @@ def build_app(loop: EngineLoop, model_name: str | list[str], metrics: Metrics, a
                     yield chunk(i, "", "length", None)
                     remaining -= 1
                     continue
+                if not held[i]:     # the choice's text is text[:sent] + unsent; the event cuts it at delta_at
+                    unsent[i] = unsent[i][:max(0, ev.delta_at - sent[i])] + ev.delta
                 if tools is not None and tools.schema is None and ev.token_id == parser.calls_begin and \
                         not held[i]:
                     # DeepSeek's calls begin: the content so far goes out whole (what the stop-string holdback
                     # kept too), the rest is tool calls
-                    delta, sent[i], held[i] = ev.text[sent[i]:], len(ev.text), True
+                    delta, unsent[i], held[i] = unsent[i], "", True
+                    sent[i] += len(delta)
+                elif held[i]:
+                    delta = ""
                 else:
-                    end = len(ev.text) if ev.finished else max(sent[i], len(ev.text) - holdback)
-                    delta = "" if held[i] else ev.text[sent[i]:end]
-                    sent[i] = sent[i] if held[i] else end
+                    keep = 0 if ev.finished else min(holdback, len(unsent[i]))
+                    delta, unsent[i] = unsent[i][:len(unsent[i]) - keep], unsent[i][len(unsent[i]) - keep:]
+                    sent[i] += len(delta)
                 lp = None if req.logprobs is None else _chat_logprobs([ev]) if chat else _logprobs_block([ev], emitted[i])
                 # text offsets count the tokens' strings, as the whole response's do (not the text released)
                 emitted[i] += len(lp["tokens"][0]) if lp is not None and not chat else len(delta)
                 calls, deltas = None, None
                 if ev.finished and tools is not None:
-                    _, calls = _calls(tools, streams[i].seq, ev.text)
+                    _, calls = _calls(tools, streams[i].seq, streams[i].seq.output_text)
                     deltas = [{"index": k, **c} for k, c in enumerate(calls)]
                 if calls_out is not None:
                     deltas = calls_out[i].update(streams[i].seq.output_ids, final=ev.finished) if held[i] else None

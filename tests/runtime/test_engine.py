@@ -266,11 +266,13 @@ def test_the_engine_loop_builds_grammar_matchers_off_its_thread(engine, monkeypa
         streams = await loop.submit([(prompts([8], seed=61)[0], dataclasses.replace(sp, seed=j)) for j in range(3)])
         outs = []
         for s in streams:
-            ev = TokenEvent(0, "", 0.0, {}, False, None)
+            ev, text = TokenEvent(0, "", 0, 0.0, {}, False, None), ""
             while not ev.finished:
                 ev = await asyncio.wait_for(s.events.get(), 60)
                 assert isinstance(ev, TokenEvent), ev
-            outs.append((ev.text, ev.finish_reason))
+                text = text[:ev.delta_at] + ev.delta
+            assert text == s.seq.output_text
+            outs.append((text, ev.finish_reason))
         return outs
     try:
         outs = asyncio.run(main())
@@ -416,7 +418,8 @@ def test_abort_frees_blocks(engine):
 def test_incremental_detokenizer_streams_the_full_text_from_short_windows():
     """Streamed pieces concatenate to the full decode (multi-byte characters held back until complete), and
     each step decodes a few tokens, not the whole output (which made long generations quadratic): through
-    tokenizers' DecodeStream, through the Python-side window, and through the window from where a stream failed."""
+    tokenizers' DecodeStream, through the Python-side window, and through the window from where a stream failed.
+    The text is kept in pieces whose tails read alone (the stop-string search's)."""
     import random
     from deepinfer.compile.options import DEMO_MODEL
     from deepinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -450,7 +453,12 @@ def test_incremental_detokenizer_streams_the_full_text_from_short_windows():
             assert (mode == "stream") == (not lengths)
             full = decode(ids)
             assert full.startswith(streamed) and len(full) - len(streamed) <= 4, mode
-            assert det.text == streamed and det.flush() == full
+            assert det.text == streamed and det.length == len(streamed)
+            # kept as a few pieces (no string copied whole a token), any tail read without the rest
+            assert len(det._pieces) <= len(ids) // det.PIECES + det.PIECES + 1
+            for start in (-3, 0, 1, len(streamed) // 2, len(streamed) - 5, len(streamed), len(streamed) + 2):
+                assert det.text_from(start) == streamed[max(start, 0):], (mode, start)
+            assert det.flush() == full and det.text == full and det.text_from(len(full) - 3) == full[-3:]
 
 
 def test_cpu_weights_load_into_an_anonymous_arena_with_the_file_values(artifact):

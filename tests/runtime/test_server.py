@@ -82,6 +82,34 @@ def test_openai_client_non_streaming_and_streaming(server):
     assert text == r.choices[0].text
 
 
+def test_streamed_text_with_stop_strings_is_the_whole_responses(server):
+    """Stop strings that begin in one token's text and end in a later one: the stream (whose events carry each
+    token's text and where it starts, the holdback keeping what a stop may still cut) gives the text the whole
+    response does, cut before the first stop; a stop never written holds back nothing at the end."""
+    base, headers = server["base"] + "/v1/completions", {"Authorization": f"Bearer {API_KEY}"}
+    body = {"prompt": "Once upon", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(base, json={**body, "logprobs": 0}, headers=headers, timeout=60).json()["choices"][0]
+    text, offs = full["text"], full["logprobs"]["text_offset"]
+    # 3 characters that cross a token boundary (the random model's are often one byte)
+    at = next((k for k in range(1, len(text) - 3) if "\ufffd" not in text[k - 1:k + 3] and
+              any(k < o < k + 3 for o in offs)), None)
+    assert at is not None, (text, offs)
+    cases = [[text[at:at + 3]], ["never-written-" * 3, text[at - 1:at + 2]], ["never-written"]]
+    for stop in cases:
+        whole = httpx.post(base, json={**body, "stop": stop}, headers=headers, timeout=60).json()["choices"][0]
+        hits = [text.find(x) for x in stop if x in text]
+        assert whole["text"] == (text[:min(hits)] if hits else text), stop
+        assert whole["finish_reason"] == ("stop" if hits else "length")
+        chunks = []
+        with httpx.stream("POST", base, json={**body, "stop": stop, "stream": True}, headers=headers,
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:])["choices"][0])
+        assert "".join(c["text"] for c in chunks) == whole["text"], stop
+        assert chunks[-1]["finish_reason"] == whole["finish_reason"]
+
+
 def test_sse_framing_and_usage_chunk(server):
     body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
