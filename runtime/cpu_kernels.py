@@ -12,8 +12,9 @@ keep their Python bodies (torch's own paths).
 
 The build (~30 s, two cores) happens at the first `available()` call, which the runtime makes while it loads a
 CPU artifact, so no request waits for it; later processes find it in torch's extension cache
-($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by a hash of the sources, the headers and
-the checkout's path. Concurrent processes build one at a time, and a build killed half-way does not block later ones.
+($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by a hash of the sources, the headers, the
+checkout's path and torch's version. Concurrent processes build one at a time, and a build killed half-way does
+not block later ones.
 """
 
 from __future__ import annotations
@@ -103,13 +104,16 @@ def _load() -> str | None:
 
 
 def library_name() -> str:
-    """The build's name: a hash of the sources, the headers and the checkout's path (one build a checkout:
-    ninja would rebuild one whose files name another checkout's paths)."""
+    """The build's name: a hash of the sources, the headers, the checkout's path (one build a checkout: ninja
+    would rebuild one whose files name another checkout's paths) and torch's version (a library built against
+    another torch may not load, or may misbehave, in this one: torch upgraded in place keeps its header paths,
+    so torch's own builder would not see the change)."""
     h = hashlib.sha256()
     for src in SOURCES + HEADERS:
         data = src.read_bytes()
         h.update(f"{src.name}:{len(data)}:".encode() + data)
     h.update(str(CSRC).encode())
+    h.update(f"torch {torch.__version__}".encode())
     return f"deepinfer_cpu_{h.hexdigest()[:12]}"
 
 
