@@ -204,6 +204,11 @@ class IncrementalDetokenizer:
         """All the text so far. Does not change the pieces: a reader on another thread sees a whole text."""
         return "".join(self._pieces)
 
+    @property
+    def held(self) -> bool:
+        """Whether some tokens' text is held back (an incomplete UTF-8 character so far)."""
+        return self.read < len(self.ids)
+
     def text_from(self, start: int) -> str:
         """text[start:], joining only the pieces it spans (the stop-string search reads a short tail each token)."""
         need = self.length - max(start, 0)

@@ -865,3 +865,29 @@ def test_step_inputs_feed_writes_the_device_tokens_into_their_rows():
         ids = torch.tensor([5, 6, 7, 8])
         si.feed(ids)
         assert ids.tolist() == want
+
+
+def test_stop_strings_see_the_text_the_detokenizer_held_back(engine):
+    """Text held back as an incomplete UTF-8 character comes out at the last token; a stop string in it stops the
+    sequence (it was output whole, finish_reason 'length'). And that held text counts with min_tokens' tokens:
+    a stop string inside it does not cut the output short of them."""
+    tok = engine.tokenizer
+    # a token whose bytes end in an unfinished character, so every token leaves the text unfinished
+    held = next(t for t in range(tok.vocab_size) if tok.decode([t]).endswith("\ufffd") and
+                tok.decode([t]).strip() and tok.decode([t, t]).count("\ufffd") == 2)
+    forced = dict(max_tokens=3, logit_bias=((held, 100.0),), ignore_eos=True)
+    p = prompts([5], seed=71)[0]
+    plain = engine.generate([p], SamplingParams(**forced))[0]
+    assert plain.output_ids == [held] * 3 and plain.finish_reason == "length"
+    text = plain.output_text
+    assert text == tok.decode([held] * 3) and text.endswith("\ufffd")
+    stop = text[-2:]
+    s = engine.generate([p], SamplingParams(**forced, stop=(stop,)))[0]
+    assert s.finish_reason == "stop" and s.output_text == text[:text.index(stop)]
+    # min_tokens 2: the first two tokens' text (held until the third) is not searched, the third's is
+    first2 = tok.decode([held] * 2)
+    assert text.startswith(first2) and len(text) > len(first2), (text, first2)
+    m = engine.generate([p], SamplingParams(**forced, min_tokens=2, stop=(text[len(first2) - 1:],)))[0]
+    assert m.finish_reason == "length" and m.output_text == text
+    m = engine.generate([p], SamplingParams(**forced, min_tokens=2, stop=(text[len(first2):],)))[0]
+    assert m.finish_reason == "stop" and m.output_text == first2
