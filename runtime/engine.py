@@ -480,40 +480,37 @@ class Engine:
             # past the first min_tokens tokens' text, including what the detokenizer still holds of it (an
             # incomplete UTF-8 character, counted as U+FFFD), which later tokens bring out
             seq.stop_from = max(seq.stop_from, len(self.tokenizer.decode(seq.output_ids[:seq.params.min_tokens])))
-        cut = flushed = False
+        cut = False
         if seq.constraint is not None:
             seq.constraint.consume(tok)
             if seq.constraint.error:       # the output so far may break the constraint: it fails, not stops
                 seq.failure = (f"the structured output failed after {len(seq.output_ids)} tokens: "
                                f"{seq.constraint.error}")
                 log.warning("request %d: %s", seq.seq_id, seq.failure)
-        if stop_token or (seq.constraint is not None and seq.constraint.done):
+        by_token = stop_token or (seq.constraint is not None and seq.constraint.done)
+        at_limit = len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= limit
+        if det is not None and (by_token or at_limit):
+            # its last token: what the detokenizer held back (an incomplete UTF-8 tail, as U+FFFD) comes out now,
+            # before the stop strings are searched, so that text can hold a stop too
+            before = det.length
+            text += det.flush()[before:]
+        if by_token:
             reason = "stop"
-        else:
-            if det is not None and (len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= limit):
-                # its last token: what the detokenizer held back (an incomplete UTF-8 tail, as U+FFFD) comes out
-                # now, before the stop strings are searched, so that text can hold a stop too
-                before = det.length
-                text += det.flush()[before:]
-                flushed = True
-            if seq.params.stop and det is not None and not early:
-                # a hit ends in the new text (one ending before it was found earlier): search the tail only
-                longest = max(len(x) for x in seq.params.stop)
-                emitted_before = det.length - len(text)
-                tail = max(seq.stop_from, emitted_before - longest + 1)
-                window = det.text_from(tail)
-                hit = _first_stop(window, seq.params.stop)
-                if hit is not None:
-                    hit += tail
-                    text = window[emitted_before - tail:hit - tail] if hit > emitted_before else ""
-                    seq.output_text = det.text[:hit]
-                    reason, cut = "stop", True
-        if reason is None and (len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= limit):
+        elif seq.params.stop and det is not None and not early:
+            # a hit ends in the new text (one ending before it was found earlier): search the tail only
+            longest = max(len(x) for x in seq.params.stop)
+            emitted_before = det.length - len(text)
+            tail = max(seq.stop_from, emitted_before - longest + 1)
+            window = det.text_from(tail)
+            hit = _first_stop(window, seq.params.stop)
+            if hit is not None:
+                hit += tail
+                text = window[emitted_before - tail:hit - tail] if hit > emitted_before else ""
+                seq.output_text = det.text[:hit]
+                reason, cut = "stop", True
+        if reason is None and at_limit:
             reason = "length"
         if reason is not None and det is not None and not cut:
-            if not flushed:     # flush what the incremental decoder held back (an incomplete UTF-8 tail: U+FFFD)
-                before = det.length
-                text += det.flush()[before:]
             seq.output_text = det.text
         length = det.length if seq.detokenizer is not None else len(seq.output_text)
         return StepOutput(seq, [tok], text, reason is not None, len(seq.output_ids) - 1, length - len(text)), reason
