@@ -136,6 +136,17 @@ class Sequence:
         m = len(self.output_ids)
         return self.output_ids[pos - n] if pos - n < m else self.draft_ids[pos - n - m]
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Its tokens at positions [start, end): `token_at` of each, in one piece."""
+        n, m = len(self.prompt_ids), len(self.output_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        out = self.prompt_ids[start:n] if start < n else []
+        out = out + self.output_ids[max(start - n, 0): end - n]
+        if end > n + m:
+            out = out + self.draft_ids[max(start - n - m, 0): end - n - m]
+        return out
+
     def token_stats(self) -> "TokenStats":
         """Its distinct tokens for the penalties (sampler.process_logits), up to date with its output."""
         if self._stats is None:

@@ -381,3 +381,55 @@ def test_a_sibling_waiting_for_shared_blocks_keeps_its_place():
         if not kw["prefill_buckets"]:
             assert steps[1].entries[-1].seq is late        # in arrival order behind the sibling
         assert all(s.status is Status.FINISHED for s in (a, b, late))
+
+
+@st.composite
+def steps_to_build(draw):
+    """A step of either kind over sequences with random tokens, block tables and entries (any span of a sequence's
+    tokens, its drafts included): prefill entries of any length packed back to back, decode entries of a token or a prompt's few (prompt-as-decode), some fed from the
+    step before, some wanting every row's logits, some verifying drafts."""
+    from deepinfer.runtime.scheduler import ScheduledStep, StepEntry
+    kind = draw(st.sampled_from(["prefill", "decode"]))
+    bs, entries, T, blocks = 4, [], 0, iter(draw(st.permutations(range(200))))
+    for _ in range(draw(st.integers(1, 5))):
+        prompt = draw(st.lists(st.integers(0, 99), min_size=1, max_size=40))
+        out = draw(st.lists(st.integers(0, 99), max_size=10))
+        seq = Sequence(prompt, SamplingParams())
+        seq.output_ids = out
+        total = len(prompt) + len(out)
+        drafts = draw(st.lists(st.integers(0, 99), max_size=4)) if kind == "decode" else []
+        seq.draft_ids = drafts
+        seq.block_table = [next(blocks) for _ in range(-(-(total + len(drafts)) // bs))]
+        start = draw(st.integers(0, total - 1))
+        n = draw(st.integers(1, total - start + len(drafts)))
+        fed = draw(st.sampled_from([-1, 0, 3])) if kind == "decode" and n == 1 else -1
+        entries.append(StepEntry(seq, start, n, True, all_logits=draw(st.booleans()) and not drafts,
+                                 num_draft=len(drafts), fed=fed))
+        T += n
+    context = bs * max(len(e.seq.block_table) for e in entries) * (len(entries) if kind == "prefill" else 1)
+    return ScheduledStep(kind, T, context, tuple(entries))
+
+
+@given(steps_to_build())
+@settings(max_examples=200, deadline=None)
+def test_step_inputs_are_the_same_built_in_slices_or_a_token_at_a_time(step):
+    """build_inputs fills long entries with numpy slices and short ones token by token: both give one result."""
+    import numpy as np
+
+    from deepinfer.common.manifest import CompileConfig
+    from deepinfer.runtime import model_runner
+    cc = CompileConfig(backend="cpu", dtype="float32", cp=1, ep=1, decode_buckets=(1, 8), prefill_buckets=(64,),
+                       context_buckets=(step.context,), context_limit=step.context, block_size=4, num_kv_blocks=256,
+                       moe_capacity=(64,), capacity_factor=None)
+    sliced = model_runner.build_inputs(step, cc)
+    saved = model_runner.VECTOR_MIN_TOKENS
+    model_runner.VECTOR_MIN_TOKENS = 1 << 30
+    try:
+        looped = model_runner.build_inputs(step, cc)
+    finally:
+        model_runner.VECTOR_MIN_TOKENS = saved
+    for name in ("token_ids", "positions", "slot_mapping", "block_tables", "logit_indices", "context_starts",
+                 "fed_rows", "fed_from"):
+        a, b = getattr(sliced, name), getattr(looped, name)
+        assert (a is None) == (b is None) and (a is None or np.array_equal(a, b)), name
+    assert sliced.num_logits == looped.num_logits
