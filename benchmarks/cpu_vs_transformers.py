@@ -23,7 +23,7 @@ With --long-prompts 512,1024,2000, a second table: the time to the first token o
 scheduler then takes 1024-token chunks for a lone long prompt; for a bf16 checkpoint with --matmul-dtype
 bfloat16 too), the artifacts' context limit the next power of two above the longest prompt.
 Our engines run without the prefix cache (the rounds repeat their prompts, which it would serve without
-computing them: transformers has no such cache). Same threads for everyone (torch.get_num_threads()); each figure is the best of 2-4 rounds in which the engines
+computing them: transformers has no such cache). Same threads for everyone (torch.get_num_threads()); each figure is the best of 4-10 rounds in which the engines
 take turns (this machine's speed drifts over minutes; turns expose all engines to the same drift). Ratios matter
 more than absolute numbers here.
 The roofline row is the best any engine could do on this machine (benchmarks/roofline.py): decode floored by
@@ -68,8 +68,10 @@ PROMPT_LEN = 32     # the decode measurements' prompts (--prompt-len)
 
 # Rounds per measurement. Every engine runs each measurement once a round, the engines taking turns: this
 # machine's speed drifts by tens of percent over minutes, and taking turns exposes all of them to the same drift
-# (measuring one engine after the other moved the ratios by up to 1.5x between runs).
-ROUNDS = {"prefill": 3, "t1": 4, "tn": 4, "b1": 2, "bn": 2}
+# (measuring one engine after the other moved the ratios by up to 1.5x between runs). The one-prompt prefill takes
+# milliseconds: 3 rounds of it gave the demo model's ratio anywhere in 1.89-2.28x (best of each 3 of 60 alternated
+# rounds on one VM, the best of all 60 2.12x); 10 rounds cost under a second.
+ROUNDS = {"prefill": 10, "t1": 6, "tn": 4, "b1": 4, "bn": 4}
 
 
 def interleaved(runs: dict[str, dict[str, Callable[[], object]]], rounds: dict[str, int] | None = None
