@@ -37,6 +37,7 @@ class Tokenizer:
         self._decoders: set[str] | None = None     # the decoder's types (token_bytes), read at first use
         self.context_limit: int | None = None     # set by the engine: texts far longer are refused (encode)
         self._token_bytes_max: int | None = None
+        self._special_ids: set[int] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -138,6 +139,12 @@ class Tokenizer:
             return piece.replace("\u2581", " ").encode("utf-8")
         return self.token_str(token_id).encode("utf-8")
 
+    def decoded_bytes(self, token_id: int) -> int:
+        """How many bytes a token adds to `decode`'s output: its own bytes, none for a special token (skipped)."""
+        if self._special_ids is None:
+            self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return 0 if token_id in self._special_ids else len(self.token_bytes(token_id))
+
     def token_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)
 
@@ -185,9 +192,15 @@ class IncrementalDetokenizer:
     The text is kept as pieces, not one string grown by `+=`: a string held elsewhere too (the sequence's) is
     copied whole by each `+=`, which made a long output quadratic (11 us a token over a 32k-token output, 24 at
     128k). The newest pieces are joined every PIECES of them, so the list stays short; `text_from` reads a tail
-    without joining the rest, and `text` joins everything (at the end of a sequence, or when asked)."""
+    without joining the rest, and `text` joins everything (at the end of a sequence, or when asked).
+
+    A window that stays incomplete for HOLD tokens (an output of bytes that never finish a character: a random
+    model's) does not grow on: the stream re-decoded all it held at each token (285 / 910 us a token at 250 / 1000
+    held), and nothing was streamed until the end. From there the sequence goes through the window here, which
+    releases the text no later token can change (`_release`)."""
 
     PIECES = 64
+    HOLD = 16
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
@@ -242,6 +255,9 @@ class IncrementalDetokenizer:
             if piece:
                 pieces.append(piece)
                 self.prefix, self.read = self.read, len(self.ids)
+            elif len(self.ids) - self.read >= self.HOLD:     # held long: on through the window, which releases
+                self._step = None
+                pieces.append(self._window())
         new = "".join(pieces)
         if new:
             self._pieces.append(new)
@@ -254,10 +270,30 @@ class IncrementalDetokenizer:
     def _window(self) -> str:
         before = self.tok.decode(self.ids[self.prefix:self.read])
         window = self.tok.decode(self.ids[self.prefix:])
+        if window.endswith("\ufffd") and len(self.ids) - self.read >= self.HOLD:
+            return self._release(before, window)
         if window.endswith("\ufffd") or len(window) <= len(before) or not window.startswith(before):
             return ""            # an incomplete UTF-8 sequence, nothing new yet, or a merge rewrote the window
         self.prefix, self.read = self.read, len(self.ids)
         return window[len(before):]
+
+    def _release(self, before: str, window: str) -> str:
+        """Of a window held for HOLD tokens, the text up to the newest tokens that add 3 bytes or more: a UTF-8
+        character is at most 4 bytes, so 3 more complete or break any begun before them, and that text can no
+        longer change (checked: the whole window's decode starts with it; where a character spans the cut, an earlier
+        cut). The rest stays held."""
+        cut, tail = len(self.ids), 0
+        while cut > self.read and tail < 3:
+            cut -= 1
+            tail += self.tok.decoded_bytes(self.ids[cut])
+        if tail < 3:
+            return ""
+        for cut in range(cut, max(cut - 4, self.read), -1):    # a cut inside a character: a token or three before
+            head = self.tok.decode(self.ids[self.prefix:cut])
+            if len(head) > len(before) and head.startswith(before) and window.startswith(head):
+                self.prefix, self.read = self.read, cut
+                return head[len(before):]
+        return ""
 
     def flush(self) -> str:
         """The whole output decoded at once (with what an incomplete UTF-8 tail held back, as U+FFFD)."""

@@ -461,6 +461,56 @@ def test_incremental_detokenizer_streams_the_full_text_from_short_windows():
             assert det.flush() == full and det.text == full and det.text_from(len(full) - 3) == full[-3:]
 
 
+def test_a_window_that_never_completes_a_character_is_released_as_it_goes():
+    """Bytes that never finish a UTF-8 character (a random model's output) are not held until the end: after
+    IncrementalDetokenizer.HOLD tokens the text no later token can change comes out, each step still decodes a
+    short window, and every streamed text is a prefix of the whole decode at that point, in both decode modes
+    (the stream hands such a sequence to the window). Checked on runs of one lead byte, invalid bytes, and random
+    mixes of lone high bytes, whole multi-byte characters split across tokens, and ASCII, fed in chunks of 1-5."""
+    import random
+    from deepinfer.compile.options import DEMO_MODEL
+    from deepinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+    tok = Tokenizer(DEMO_MODEL / "tokenizer.json", DEMO_MODEL / "tokenizer_config.json", None)
+    byte_id = {tok.token_bytes(i)[0]: i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) == 1}
+    assert len(byte_id) == 256                       # a byte-level BPE: every byte is a token
+    lengths: list[int] = []
+    decode = tok.decode
+    tok.decode = lambda ids: (lengths.append(len(ids)), decode(ids))[1]
+    rng = random.Random(5)
+    chars = [c.encode() for c in "é日本語🤖€"] + [b"a", b" the", b"\n"]
+
+    def mixed(n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            pick = rng.random()
+            if pick < 0.5:
+                out.append(byte_id[rng.randrange(0x80, 0x100)])          # a lone high byte: lead, continuation, invalid
+            elif pick < 0.8:
+                out += [byte_id[b] for b in rng.choice(chars)]             # a character, a byte a token
+            else:
+                out += tok.encode(rng.choice(["word", " text", "語"]), add_special_tokens=False)
+        return out[:n]
+    cases = [[byte_id[0xE4]] * 300, [byte_id[0xFF]] * 100 + [byte_id[0xF0]] * 200] + [mixed(300) for _ in range(12)]
+    hold = IncrementalDetokenizer.HOLD
+    make_stream = tok.decode_stream
+    for mode in ("stream", "window"):
+        tok.decode_stream = make_stream if mode == "stream" else (lambda: None)
+        for ids in cases:
+            det = IncrementalDetokenizer(tok)
+            lengths.clear()
+            streamed, i = "", 0
+            while i < len(ids):
+                n = rng.randint(1, 5)
+                streamed += det.add(ids[i:i + n])
+                i += n
+                assert decode(ids[:i]).startswith(streamed), (mode, i)
+                assert len(det.ids) - det.read <= hold + 5, (mode, i)       # what is held stays bounded
+            assert det.text == streamed and max(lengths, default=0) <= 3 * hold, (mode, max(lengths))
+            if ids[0] == byte_id[0xE4]:
+                assert len(streamed) >= 300 - hold - 5                     # 300 U+FFFD, all but the held tail out
+            assert det.flush() == decode(ids)
+
+
 def test_cpu_weights_load_into_an_anonymous_arena_with_the_file_values(artifact):
     """CPU weights are copied out of the safetensors file mapping into one huge-page-advised arena: same names,
     values, dtypes and shapes as the file, each 64-byte aligned, sharing one buffer."""
