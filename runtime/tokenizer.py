@@ -270,9 +270,10 @@ class IncrementalDetokenizer:
     def _window(self) -> str:
         before = self.tok.decode(self.ids[self.prefix:self.read])
         window = self.tok.decode(self.ids[self.prefix:])
-        if window.endswith("\ufffd") and len(self.ids) - self.read >= self.HOLD:
+        incomplete = window.endswith("\ufffd")
+        if incomplete and len(self.ids) - self.read >= self.HOLD:
             return self._release(before, window)
-        if window.endswith("\ufffd") or len(window) <= len(before) or not window.startswith(before):
+        if incomplete or len(window) <= len(before) or not window.startswith(before):
             return ""            # an incomplete UTF-8 sequence, nothing new yet, or a merge rewrote the window
         self.prefix, self.read = self.read, len(self.ids)
         return window[len(before):]
@@ -288,10 +289,10 @@ class IncrementalDetokenizer:
             tail += self.tok.decoded_bytes(self.ids[cut])
         if tail < 3:
             return ""
-        for cut in range(cut, max(cut - 4, self.read), -1):    # a cut inside a character: a token or three before
-            head = self.tok.decode(self.ids[self.prefix:cut])
+        for at in range(cut, max(cut - 4, self.read), -1):     # a cut inside a character: a token or three before
+            head = self.tok.decode(self.ids[self.prefix:at])
             if len(head) > len(before) and head.startswith(before) and window.startswith(head):
-                self.prefix, self.read = self.read, cut
+                self.prefix, self.read = self.read, at
                 return head[len(before):]
         return ""
 
